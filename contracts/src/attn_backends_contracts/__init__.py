@@ -1,0 +1,1 @@
+"""attn-backends-contracts: the conformance suite any attention backend must pass."""

@@ -1,0 +1,165 @@
+"""The ``attn-backends`` command: list, explain."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ._capabilities import DTYPES
+from ._errors import AttnBackendsError
+
+
+def _ints(text: str, count: int, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what}: expected {count} integers like 1,128,8,64, got {text!r}")
+    if len(values) != count:
+        raise argparse.ArgumentTypeError(f"{what}: expected {count} comma-separated integers, got {text!r}")
+    return values
+
+
+def _window(text: str) -> tuple[int | None, int | None]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"--window: expected LEFT,RIGHT (either may be empty), got {text!r}")
+    try:
+        left, right = (int(p) if p.strip() not in ("", "none", "None") else None for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window: expected integers or empty, got {text!r}")
+    return left, right
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _registry() -> Any:
+    from . import registry
+
+    return registry
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    registry = _registry()
+    backends, origins, problems = registry.backends, registry.origins, registry.problems
+    records = []
+    for name in sorted(backends):
+        backend, origin = backends[name], origins[name]
+        caps = backend.capabilities
+        records.append(
+            {
+                "backend": name,
+                "distribution": origin.distribution,
+                "version": backend.version,
+                "api_version": backend.api_version,
+                "priority": dict(backend.priority),
+                "capabilities": caps.as_dict(),
+            }
+        )
+    if args.json:
+        print(json.dumps({"backends": records, "problems": [str(p) for p in problems]}, indent=2))
+        return 0
+    rows = []
+    for rec in records:
+        caps = rec["capabilities"]
+        features = [f for f in ("gqa", "causal", "window", "segment_ids", "lengths", "mask",
+                                "bias", "bias_grad", "softcap", "return_lse") if caps[f]]
+        rows.append([
+            rec["backend"], rec["distribution"], rec["version"],
+            ",".join(caps["platforms"]), ",".join(caps["dtypes"]), caps["head_dims"],
+            ",".join(features) or "-",
+        ])
+    if rows:
+        print(_table(rows, ["backend", "distribution", "version", "platforms", "dtypes", "head dims", "features"]))
+    else:
+        print("no backends installed: pip install attn-backend-reference (or attn-backends[xla])")
+    if problems:
+        print("\nload problems:")
+        for problem in problems:
+            print(f"  - {problem}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    b, tq, hq, d = args.q
+    bk, tk, hkv, dk = args.kv
+    dv = args.dv if args.dv is not None else dk
+    dtype = jnp.dtype(args.dtype)
+    sds = jax.ShapeDtypeStruct
+    q, k, v = sds((b, tq, hq, d), dtype), sds((bk, tk, hkv, dk), dtype), sds((bk, tk, hkv, dv), dtype)
+    kwargs: dict[str, Any] = {
+        "causal": args.causal,
+        "window": args.window,
+        "softcap": args.softcap,
+        "return_lse": args.return_lse,
+    }
+    if args.segment_ids:
+        kwargs["segment_ids"] = (sds((b, tq), jnp.int32), sds((bk, tk), jnp.int32))
+    if args.q_lengths:
+        kwargs["q_lengths"] = sds((b,), jnp.int32)
+    if args.kv_lengths:
+        kwargs["kv_lengths"] = sds((b,), jnp.int32)
+    if args.mask:
+        kwargs["mask"] = sds((b, hq, tq, tk), jnp.bool_)
+    if args.bias:
+        kwargs["bias"] = sds((b, hq, tq, tk), dtype)
+    attention = _registry().get(
+        device=args.device, backend=args.backend,
+        prefer=args.prefer.split(",") if args.prefer else None, fallback="silent",
+    )
+    explanation = attention.explain(q, k, v, **kwargs)
+    print(explanation.to_json() if args.json else explanation)
+    return 0 if explanation.chosen else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attn-backends", description="Inspect and choose JAX attention backends."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_list = sub.add_parser("list", help="installed backends, their manifests and load problems")
+    p_list.add_argument("--json", action="store_true", help="machine-readable output")
+    p_list.set_defaults(func=cmd_list)
+
+    p_exp = sub.add_parser("explain", help="every backend's verdict for a call")
+    p_exp.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
+    p_exp.add_argument("--q", required=True, type=lambda s: _ints(s, 4, "--q"), metavar="B,Tq,Hq,D")
+    p_exp.add_argument("--kv", required=True, type=lambda s: _ints(s, 4, "--kv"), metavar="B,Tk,Hkv,D")
+    p_exp.add_argument("--dv", type=int, default=None, help="value head dim (default: D)")
+    p_exp.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p_exp.add_argument("--causal", action="store_true")
+    p_exp.add_argument("--window", type=_window, default=None, metavar="LEFT,RIGHT")
+    p_exp.add_argument("--segment-ids", action="store_true")
+    p_exp.add_argument("--q-lengths", action="store_true")
+    p_exp.add_argument("--kv-lengths", action="store_true")
+    p_exp.add_argument("--mask", action="store_true", help="a dense [B,Hq,Tq,Tk] bool mask")
+    p_exp.add_argument("--bias", action="store_true", help="a dense [B,Hq,Tq,Tk] bias")
+    p_exp.add_argument("--softcap", type=float, default=None)
+    p_exp.add_argument("--return-lse", action="store_true")
+    p_exp.add_argument("--backend", default=None, help="judge only this backend")
+    p_exp.add_argument("--prefer", default=None, help="comma-separated names to try first")
+    p_exp.add_argument("--json", action="store_true")
+    p_exp.set_defaults(func=cmd_explain)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (AttnBackendsError, ValueError) as exc:
+        print(f"attn-backends {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

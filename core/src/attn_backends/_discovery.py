@@ -1,0 +1,248 @@
+"""Finding backends: entry points and in-process plugins, each loaded in isolation.
+
+A plugin that fails to import, fails in its hook, returns something that is
+not a Backend, or declares an unsupported api_version is skipped with a
+:class:`PluginWarning` naming its distribution and version (strict mode
+raises :class:`PluginError`). Allow/deny lists apply to entry-point names
+before anything is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from ._backend import Backend
+from ._capabilities import Capabilities
+from ._contract import SUPPORTED_API_VERSIONS
+from ._errors import PluginConflictError, PluginError, PluginWarning
+from ._hookspec import ENTRY_POINT_GROUP, PROJECT, HookSpecs
+from ._versions import in_range
+
+IN_PROCESS = "<in-process>"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a plugin came from: its entry point (or object) and distribution."""
+
+    plugin: str
+    distribution: str
+    version: str
+
+    def describe(self) -> str:
+        if self.distribution == IN_PROCESS:
+            return f"in-process plugin {self.plugin!r}"
+        return f"plugin {self.plugin!r} from {self.distribution} {self.version}"
+
+
+@dataclass(frozen=True)
+class LoadProblem:
+    """A plugin or backend that was skipped or flagged, and why."""
+
+    origin: Origin
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.origin.describe()}: {self.message}"
+
+
+@dataclass
+class Discovered:
+    """Result of discovery: backends by name, their origins, and the problems."""
+
+    backends: dict[str, Backend] = field(default_factory=dict)
+    origins: dict[str, Origin] = field(default_factory=dict)
+    problems: list[LoadProblem] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Discovery settings; :meth:`from_env` reads the ``ATTN_BACKENDS_*`` variables."""
+
+    autoload: bool = True
+    strict: bool = False
+    only: frozenset[str] | None = None
+    disable: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Settings:
+        def names(var: str) -> frozenset[str] | None:
+            raw = os.environ.get(var)
+            if raw is None:
+                return None
+            return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+        env = {
+            "autoload": os.environ.get("ATTN_BACKENDS_NO_AUTOLOAD", "") in ("", "0"),
+            "strict": os.environ.get("ATTN_BACKENDS_STRICT", "") not in ("", "0"),
+            "only": names("ATTN_BACKENDS_ONLY"),
+            "disable": names("ATTN_BACKENDS_DISABLE") or frozenset(),
+        }
+        env.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**env)
+
+    def allows(self, name: str) -> bool:
+        return name not in self.disable and (self.only is None or name in self.only)
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    """Entry points of the group, one per (distribution, name), in a stable order."""
+    seen: dict[tuple[str, str], metadata.EntryPoint] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        # The same distribution reachable twice on sys.path registers once.
+        seen.setdefault((_normalise(dist), ep.name), ep)
+    return [seen[key] for key in sorted(seen)]
+
+
+def _normalise(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _jax_config_snapshot() -> dict[str, Any]:
+    import jax
+
+    return dict(jax.config.values)
+
+
+def _config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    return [
+        f"{key}: {before.get(key)!r} -> {after.get(key)!r}"
+        for key in sorted(set(before) | set(after))
+        if before.get(key) != after.get(key)
+    ]
+
+
+class Loader:
+    """Runs discovery once; collects backends and problems."""
+
+    def __init__(self, settings: Settings, jax_version: str):
+        self.settings = settings
+        self.jax_version = jax_version
+        self.result = Discovered()
+        self._claims: dict[str, list[tuple[Origin, Backend]]] = {}
+        self._pm = pluggy.PluginManager(PROJECT)
+        self._pm.add_hookspecs(HookSpecs)
+
+    def problem(self, origin: Origin, message: str) -> None:
+        problem = LoadProblem(origin, message)
+        if self.settings.strict:
+            raise PluginError(f"{problem} (strict mode: ATTN_BACKENDS_STRICT)")
+        self.result.problems.append(problem)
+        warnings.warn(str(problem), PluginWarning, stacklevel=4)
+
+    def load_entry_points(self) -> None:
+        for ep in _entry_points():
+            dist = ep.dist.name if ep.dist is not None else "?"
+            version = ep.dist.version if ep.dist is not None else "?"
+            origin = Origin(ep.name, dist, version)
+            if not self.settings.allows(ep.name):
+                continue
+            before = _jax_config_snapshot()
+            try:
+                module = ep.load()
+            except Exception as exc:  # noqa: BLE001 - reported, other plugins still load
+                self.problem(origin, f"failed to import {ep.value!r}: {type(exc).__name__}: {exc}")
+                continue
+            changes = _config_changes(before, _jax_config_snapshot())
+            if changes:
+                self.problem(origin, "changed jax.config at import: " + "; ".join(changes))
+            self.register(module, origin)
+
+    def register(self, plugin: object, origin: Origin) -> None:
+        try:
+            self._pm.register(plugin, name=f"{origin.distribution}:{origin.plugin}")
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            self.problem(origin, f"is not a valid plugin: {exc}")
+            return
+        impls = [
+            impl
+            for impl in self._pm.hook.attn_backends_register.get_hookimpls()
+            if impl.plugin is plugin
+        ]
+        for impl in impls:
+            try:
+                returned = impl.function()
+            except Exception as exc:  # noqa: BLE001 - reported, other plugins still load
+                self.problem(
+                    origin, f"attn_backends_register() raised {type(exc).__name__}: {exc}"
+                )
+                continue
+            self._accept(returned, origin)
+
+    def _accept(self, returned: Any, origin: Origin) -> None:
+        if not isinstance(returned, (list, tuple)):
+            self.problem(
+                origin,
+                f"attn_backends_register() must return a list of Backend, "
+                f"got {type(returned).__name__}",
+            )
+            return
+        for item in returned:
+            reason = self._invalid(item)
+            if reason:
+                self.problem(origin, reason)
+            elif self.settings.allows(item.name):
+                self._claims.setdefault(item.name, []).append((origin, item))
+
+    def _invalid(self, item: Any) -> str | None:
+        if not isinstance(item, Backend):
+            return f"returned {type(item).__name__}, expected an attn_backends.Backend instance"
+        name = getattr(item, "name", None)
+        if not isinstance(name, str) or not name:
+            return f"backend {type(item).__name__} has no name"
+        if getattr(item, "api_version", None) not in SUPPORTED_API_VERSIONS:
+            return (
+                f"backend {name!r} implements api_version {getattr(item, 'api_version', None)}, "
+                f"core supports {sorted(SUPPORTED_API_VERSIONS)}: not registered"
+            )
+        if not isinstance(getattr(item, "capabilities", None), Capabilities):
+            return f"backend {name!r} has no Capabilities manifest"
+        spec = item.capabilities.jax_versions
+        if spec and not in_range(self.jax_version, spec):
+            # Registered (explain shows it rejected), but say so at load time.
+            warnings.warn(
+                f"backend {name!r} supports jax {spec}, but jax {self.jax_version} is "
+                "installed: it will not be selected",
+                PluginWarning,
+                stacklevel=5,
+            )
+        return None
+
+    def finish(self) -> Discovered:
+        for name, claims in sorted(self._claims.items()):
+            distributions = sorted({origin.distribution for origin, _ in claims})
+            if len(distributions) > 1:
+                raise PluginConflictError(
+                    f"backend name {name!r} is registered by several distributions: "
+                    f"{', '.join(distributions)}. Uninstall one, or disable one with "
+                    "ATTN_BACKENDS_DISABLE / ATTN_BACKENDS_ONLY."
+                )
+            origin, backend = claims[0]
+            self.result.backends[name] = backend
+            self.result.origins[name] = origin
+        return self.result
+
+
+def discover(
+    settings: Settings,
+    jax_version: str,
+    plugins: Sequence[object] = (),
+    plugin_names: Iterable[str] | None = None,
+) -> Discovered:
+    """Load entry points (if autoload) and the given in-process plugins."""
+    loader = Loader(settings, jax_version)
+    if settings.autoload:
+        loader.load_entry_points()
+    names = list(plugin_names) if plugin_names is not None else []
+    for i, plugin in enumerate(plugins):
+        name = names[i] if i < len(names) else getattr(plugin, "__name__", repr(plugin))
+        loader.register(plugin, Origin(name, IN_PROCESS, ""))
+    return loader.finish()

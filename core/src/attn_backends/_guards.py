@@ -1,0 +1,41 @@
+"""Loud failures for gradients a backend does not implement, and empty calls."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._contract import AttentionCall
+from ._errors import UnsupportedError
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def no_gradient(x: Any, message: str) -> Any:
+    """Identity whose gradient raises UnsupportedError(message) when traced."""
+    return x
+
+
+def _no_gradient_fwd(x: Any, message: str) -> tuple[Any, None]:
+    return x, None
+
+
+def _no_gradient_bwd(message: str, _: None, g: Any) -> tuple[Any]:
+    raise UnsupportedError(message)
+
+
+no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd)
+
+
+def empty_result(call: AttentionCall, q: Any) -> Any:
+    """The defined result of a call with B, Tq or Tk equal to 0: zeros, lse -inf.
+
+    out ``[B, Tq, Hq, Dv]`` zeros in q's dtype; lse ``[B, Hq, Tq]`` of -inf.
+    """
+    out = jnp.zeros((call.batch, call.q_len, call.q_heads, call.v_head_dim), q.dtype)
+    if call.return_lse:
+        lse = jnp.full((call.batch, call.q_heads, call.q_len), -jnp.inf, jnp.float32)
+        return out, lse
+    return out

@@ -1,0 +1,133 @@
+"""The registry: discovery on first use, and ``get()`` returning an Attention."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._backend import Backend
+from ._discovery import Discovered, LoadProblem, Origin, Settings, discover
+from ._errors import UnknownBackendError
+from ._select import Explanation, Probe
+
+if TYPE_CHECKING:
+    from ._attention import Attention
+
+FALLBACK_MODES = ("warn", "error", "silent")
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
+
+
+class Registry:
+    """Installed backends, loaded lazily, and the entry point for selection.
+
+    ``plugins`` are in-process plugin objects (modules or instances holding
+    ``@hookimpl`` functions), registered besides the entry points. Settings
+    left as None come from the ``ATTN_BACKENDS_*`` environment variables when
+    discovery runs.
+    """
+
+    def __init__(
+        self,
+        *,
+        plugins: Sequence[object] = (),
+        autoload: bool | None = None,
+        strict: bool | None = None,
+        only: Sequence[str] | None = None,
+        disable: Sequence[str] | None = None,
+        probe: Probe | None = None,
+    ):
+        self._plugins = list(plugins)
+        self._overrides = {
+            "autoload": autoload,
+            "strict": strict,
+            "only": None if only is None else frozenset(only),
+            "disable": None if disable is None else frozenset(disable),
+        }
+        self.probe = probe
+        self._discovered: Discovered | None = None
+        self._lock = threading.Lock()
+
+    def _load(self) -> Discovered:
+        with self._lock:
+            if self._discovered is None:
+                settings = Settings.from_env(**self._overrides)
+                self._discovered = discover(settings, _jax_version(), self._plugins)
+            return self._discovered
+
+    def reload(self) -> None:
+        """Forget discovery results; the next use discovers again."""
+        with self._lock:
+            self._discovered = None
+
+    def register(self, plugin: object) -> None:
+        """Add an in-process plugin object and rediscover."""
+        self._plugins.append(plugin)
+        self.reload()
+
+    @property
+    def backends(self) -> dict[str, Backend]:
+        """Registered backends by name."""
+        return dict(self._load().backends)
+
+    @property
+    def origins(self) -> dict[str, Origin]:
+        """Where each registered backend came from."""
+        return dict(self._load().origins)
+
+    @property
+    def problems(self) -> list[LoadProblem]:
+        """Plugins and backends skipped at discovery, with the reason."""
+        return list(self._load().problems)
+
+    def backend(self, name: str) -> Backend:
+        """The backend called ``name``; UnknownBackendError lists the installed ones."""
+        backends = self.backends
+        if name not in backends:
+            installed = ", ".join(sorted(backends)) or "none"
+            raise UnknownBackendError(
+                f"backend={name!r}: no such backend is registered (installed: {installed}). "
+                "Install its distribution, or check ATTN_BACKENDS_ONLY / ATTN_BACKENDS_DISABLE."
+            )
+        return backends[name]
+
+    def get(
+        self,
+        device: Any = None,
+        backend: str | None = None,
+        prefer: Sequence[str] | None = None,
+        fallback: str = "warn",
+        backend_options: Mapping[str, Any] | None = None,
+    ) -> Attention:
+        """An :class:`Attention` callable for ``device`` (None = JAX's default).
+
+        ``backend="x"`` is strict (no fallback). ``prefer`` lists names to try
+        first. ``fallback`` is "warn", "error" or "silent". ``backend_options``
+        maps a backend name to its config object (e.g. block sizes).
+        """
+        from ._attention import Attention
+        from ._platform import resolve
+
+        if fallback not in FALLBACK_MODES:
+            raise ValueError(f"fallback: expected one of {FALLBACK_MODES}, got {fallback!r}")
+        if backend is not None:
+            self.backend(backend)
+        platform, present = resolve(device)
+        return Attention(
+            self,
+            platform=platform,
+            present=present,
+            backend=backend,
+            prefer=tuple(prefer or ()),
+            fallback=fallback,
+            backend_options=dict(backend_options or {}),
+        )
+
+    def explain(self, q: Any, k: Any, v: Any, *, device: Any = None, **kwargs: Any) -> Explanation:
+        """Every backend's verdict for this call on ``device`` (arrays or ShapeDtypeStructs)."""
+        return self.get(device=device, fallback="silent").explain(q, k, v, **kwargs)

@@ -1,0 +1,139 @@
+"""Selection: a plain function of (call, platform, backends, preferences, probes)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from ._backend import Backend
+from ._contract import AttentionCall
+from ._versions import in_range
+
+#: ``probe(backend, call, platform) -> reasons`` (empty: passed). The probing
+#: issue plugs its cached compile-and-compare runner in here.
+Probe = Callable[[Backend, AttentionCall, str], list[str]]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One backend's answer for one call. ``probed`` is None when no probe ran."""
+
+    backend: str
+    version: str
+    distribution: str | None
+    priority: int
+    accepted: bool
+    reasons: tuple[str, ...]
+    probed: bool | None = None
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Every backend's verdict for a call, in preference order, and the choice."""
+
+    call: AttentionCall
+    platform: str
+    present: bool
+    verdicts: tuple[Verdict, ...]
+    chosen: str | None
+
+    @property
+    def passed_over(self) -> tuple[Verdict, ...]:
+        """Rejected backends ranked above the chosen one that serve this platform."""
+        out = []
+        for verdict in self.verdicts:
+            if verdict.backend == self.chosen:
+                break
+            if not any(r.startswith("platform ") for r in verdict.reasons):
+                out.append(verdict)
+        return tuple(out)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "call": asdict(self.call),
+            "description": self.call.describe(),
+            "platform": self.platform,
+            "platform_present": self.present,
+            "chosen": self.chosen,
+            "verdicts": [asdict(v) for v in self.verdicts],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+    def __str__(self) -> str:
+        status = "" if self.present else " (not present here: manifest only, unprobed)"
+        lines = [f"call: {self.call.describe()}", f"platform: {self.platform}{status}"]
+        for verdict in self.verdicts:
+            mark = "CHOSEN" if verdict.backend == self.chosen else (
+                "ok" if verdict.accepted else "rejected"
+            )
+            lines.append(f"  {verdict.backend:<16} prio {verdict.priority:>4}  {mark}")
+            lines += [f"      - {reason}" for reason in verdict.reasons]
+        if self.chosen is None:
+            lines.append("  no backend can serve this call")
+        return "\n".join(lines)
+
+
+def rank(backends: Sequence[Backend], platform: str, prefer: Sequence[str] = ()) -> list[Backend]:
+    """Order: names in ``prefer`` first (in that order), then priority, then name."""
+    position = {name: i for i, name in enumerate(prefer)}
+    return sorted(
+        backends,
+        key=lambda b: (position.get(b.name, len(position)), -b.priority_on(platform), b.name),
+    )
+
+
+def _reasons(backend: Backend, call: AttentionCall, platform: str, jax_version: str) -> list[str]:
+    reasons = backend.capabilities.unmet(call, platform)
+    spec = backend.capabilities.jax_versions
+    if spec and not in_range(jax_version, spec):
+        reasons.append(f"jax {jax_version} is outside the supported range {spec}")
+    if reasons:
+        return reasons
+    try:
+        return [str(r) for r in backend.check(call)]
+    except Exception as exc:  # noqa: BLE001 - a broken check() is a reason, not a crash
+        return [f"check() raised {type(exc).__name__}: {exc}"]
+
+
+def select(
+    call: AttentionCall,
+    platform: str,
+    backends: Sequence[Backend],
+    *,
+    jax_version: str,
+    present: bool = True,
+    prefer: Sequence[str] = (),
+    distributions: dict[str, str] | None = None,
+    probe: Probe | None = None,
+) -> Explanation:
+    """Judge every backend for ``call`` on ``platform`` and choose the first survivor.
+
+    Steps: manifest filter, jax version range, ``check(call)``, then the probe
+    (only when the platform is present and a probe is given).
+    """
+    verdicts = []
+    chosen = None
+    for backend in rank(backends, platform, prefer):
+        reasons = _reasons(backend, call, platform, jax_version)
+        probed = None
+        if not reasons and probe is not None and present:
+            reasons = list(probe(backend, call, platform))
+            probed = True
+        accepted = not reasons
+        if accepted and chosen is None:
+            chosen = backend.name
+        verdicts.append(
+            Verdict(
+                backend=backend.name,
+                version=backend.version,
+                distribution=(distributions or {}).get(backend.name),
+                priority=backend.priority_on(platform),
+                accepted=accepted,
+                reasons=tuple(reasons),
+                probed=probed,
+            )
+        )
+    return Explanation(call, platform, present, tuple(verdicts), chosen)

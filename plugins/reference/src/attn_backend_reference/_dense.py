@@ -1,0 +1,76 @@
+"""Dense attention: materialise every logit in float32, mask, softmax, done."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attn_backends import AttentionCall, Operands
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def visible(call: AttentionCall, ops: Operands) -> jax.Array:
+    """Boolean ``[B|1, Hq|1, Tq, Tk]``: key j visible to query i (DESIGN §2)."""
+    i = jnp.arange(call.q_len)[:, None]
+    j = jnp.arange(call.kv_len)[None, :]
+    diag = i + call.offset
+    vis = jnp.ones((1, 1, call.q_len, call.kv_len), bool)
+    if call.causal:
+        vis &= j <= diag
+    if call.window is not None:
+        left, right = call.window
+        if left is not None:
+            vis &= j >= diag - left
+        if right is not None:
+            vis &= j <= diag + right
+    if ops.q_segment_ids is not None:
+        same = ops.q_segment_ids[:, :, None] == ops.kv_segment_ids[:, None, :]
+        vis &= same[:, None]
+    if ops.kv_lengths is not None:
+        vis &= (j[None] < ops.kv_lengths[:, None, None])[:, None]
+    if ops.q_lengths is not None:
+        vis &= (i[None] < ops.q_lengths[:, None, None])[:, None]
+    if ops.mask is not None:
+        vis &= ops.mask
+    return vis
+
+
+def dense_attention(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands) -> Any:
+    """q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` -> out (, lse)."""
+    b, tq, hq, d = q.shape
+    hkv, group = call.kv_heads, call.group
+    # Group query heads by the kv head they read (h = kv_head * group + g), so
+    # K and V are never repeated.
+    qg = q.astype(jnp.float32).reshape(b, tq, hkv, group, d)
+    logits = jnp.einsum(
+        "bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32), precision=_HIGHEST
+    ).reshape(b, hq, tq, call.kv_len)
+    logits = logits * call.scale
+    if call.softcap is not None:
+        logits = call.softcap * jnp.tanh(logits / call.softcap)
+    if ops.bias is not None:
+        logits = logits + ops.bias.astype(jnp.float32)
+    vis = jnp.broadcast_to(visible(call, ops), logits.shape)
+    any_visible = vis.any(axis=-1, keepdims=True)
+    row_max = jnp.max(jnp.where(vis, logits, -jnp.inf), axis=-1, keepdims=True)
+    # The max only stabilises exp(); its gradient cancels exactly, and for a
+    # fully masked row (max = -inf) it would be NaN, so it is held constant.
+    row_max = jax.lax.stop_gradient(jnp.where(any_visible, row_max, 0.0))
+    unnorm = jnp.exp(jnp.where(vis, logits - row_max, -jnp.inf))
+    total = unnorm.sum(axis=-1, keepdims=True)
+    safe_total = jnp.where(any_visible, total, 1.0)
+    probs = unnorm / safe_total
+    out = jnp.einsum(
+        "bkgqs,bskd->bqkgd",
+        probs.reshape(b, hkv, group, tq, call.kv_len),
+        v.astype(jnp.float32),
+        precision=_HIGHEST,
+    ).reshape(b, tq, hq, call.v_head_dim)
+    out = out.astype(q.dtype)
+    if not call.return_lse:
+        return out
+    lse = jnp.where(any_visible, row_max + jnp.log(safe_total), -jnp.inf)[..., 0]
+    return out, lse

@@ -56,7 +56,7 @@ class Explanation:
             "platform": self.platform,
             "platform_present": self.present,
             "chosen": self.chosen,
-            "verdicts": [asdict(v) for v in self.verdicts],
+            "verdicts": [{**asdict(v), "reasons": list(v.reasons)} for v in self.verdicts],
         }
 
     def to_json(self) -> str:

@@ -17,24 +17,25 @@ def visible(call: AttentionCall, ops: Operands) -> jax.Array:
     i = jnp.arange(call.q_len)[:, None]
     j = jnp.arange(call.kv_len)[None, :]
     diag = i + call.offset
-    vis = jnp.ones((1, 1, call.q_len, call.kv_len), bool)
+    pos = jnp.ones((call.q_len, call.kv_len), bool)
     if call.causal:
-        vis &= j <= diag
+        pos &= j <= diag
     if call.window is not None:
         left, right = call.window
         if left is not None:
-            vis &= j >= diag - left
+            pos &= j >= diag - left
         if right is not None:
-            vis &= j <= diag + right
+            pos &= j <= diag + right
+    vis = pos[None, None]
     if ops.q_segment_ids is not None:
         same = ops.q_segment_ids[:, :, None] == ops.kv_segment_ids[:, None, :]
-        vis &= same[:, None]
+        vis = vis & same[:, None]
     if ops.kv_lengths is not None:
-        vis &= (j[None] < ops.kv_lengths[:, None, None])[:, None]
+        vis = vis & (j[None] < ops.kv_lengths[:, None, None])[:, None]
     if ops.q_lengths is not None:
-        vis &= (i[None] < ops.q_lengths[:, None, None])[:, None]
+        vis = vis & (i[None] < ops.q_lengths[:, None, None])[:, None]
     if ops.mask is not None:
-        vis &= ops.mask
+        vis = vis & ops.mask
     return vis
 
 

@@ -1,0 +1,23 @@
+"""Fixtures for the repo's own tests (helpers live in _support.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from _support import Plugin
+
+import attn_backends as ab
+from attn_backends import Backend
+
+
+@pytest.fixture
+def fake_registry() -> Callable[..., ab.Registry]:
+    """Build a Registry of in-process fake backends, no entry points."""
+
+    def build(*backends: Backend, **kwargs: Any) -> ab.Registry:
+        return ab.Registry(plugins=[Plugin(*backends)], autoload=False, **kwargs)
+
+    return build
+

@@ -1,0 +1,63 @@
+"""The attn-backends command: list and explain, for people and for machines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attn_backends._cli import main
+
+
+@pytest.fixture(autouse=True)
+def only_reference(monkeypatch):
+    import attn_backends
+
+    monkeypatch.setenv("ATTN_BACKENDS_ONLY", "reference")
+    monkeypatch.setattr(attn_backends, "registry", attn_backends.Registry())
+
+
+def test_list_table_and_json(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0].split()
+    assert header == ["backend", "distribution", "version", "platforms", "dtypes", "head", "dims", "features"]
+    assert "reference  attn-backend-reference" in out
+    assert main(["list", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [b["backend"] for b in data["backends"]] == ["reference"]
+    assert data["backends"][0]["capabilities"]["causal"] is True
+    assert data["problems"] == []
+
+
+def test_explain_prints_every_verdict(capsys):
+    argv = ["explain", "--device", "cpu", "--q", "2,128,8,64", "--kv", "2,256,2,64",
+            "--dtype", "bfloat16", "--causal", "--window", "32,", "--segment-ids", "--kv-lengths",
+            "--softcap", "30", "--return-lse"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "q[2,128,8,64] kv[2,256,2,64/64] bfloat16 gqa causal window=(32, None) segment_ids lengths softcap return_lse" in out
+    assert "reference" in out and "CHOSEN" in out
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"] == "reference" and data["call"]["window"] == [32, None]
+
+
+def test_explain_bad_input_is_a_message_not_a_traceback(capsys):
+    assert main(["explain", "--q", "1,8,3,64", "--kv", "1,8,2,64"]) == 2
+    err = capsys.readouterr().err
+    assert "heads: expected q heads Hq=3 to be a multiple of kv heads Hkv=2" in err
+    with pytest.raises(SystemExit):
+        main(["explain", "--q", "1,8,64", "--kv", "1,8,2,64"])
+    assert "--q: expected 4 comma-separated integers" in capsys.readouterr().err
+
+
+def test_explain_unknown_backend(capsys):
+    assert main(["explain", "--q", "1,8,2,64", "--kv", "1,8,2,64", "--backend", "nope"]) == 2
+    assert "backend='nope': no such backend is registered (installed: reference)" in capsys.readouterr().err
+
+
+def test_explain_for_an_absent_platform_is_manifest_only(capsys):
+    assert main(["explain", "--device", "tpu", "--q", "1,8,2,64", "--kv", "1,8,2,64",
+                 "--backend", "reference", "--dtype", "float16"]) == 0
+    assert "(not present here: manifest only, unprobed)" in capsys.readouterr().out

@@ -1,0 +1,203 @@
+"""Discovery of real (throwaway) distributions: every "Broken plugins" row it owns.
+
+Each test writes distributions into a temporary site directory (a module
+plus a ``.dist-info`` with ``METADATA`` and ``entry_points.txt``) and puts it
+on ``sys.path``, so importlib.metadata finds them exactly as it finds
+installed plugins.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import pytest
+
+import attn_backends as ab
+
+_counter = itertools.count()
+
+BACKEND_SOURCE = '''
+from attn_backends import Backend, Capabilities, hookimpl
+
+class B(Backend):
+    name = {name!r}
+    version = "1.0"
+    api_version = {api_version}
+    capabilities = Capabilities(platforms=frozenset({{"cpu"}}), gqa=True, causal=True,
+                                differentiable=True, jax_versions={jax_versions!r})
+    priority = {{"cpu": 5}}
+
+    def attend(self, call, q, k, v, operands, options=None):
+        from attn_backend_reference._dense import dense_attention
+        return dense_attention(call, q, k, v, operands)
+
+@hookimpl
+def attn_backends_register():
+    {body}
+'''
+
+
+def make_dist(
+    site: Path,
+    dist: str,
+    backend: str,
+    *,
+    version: str = "0.3",
+    body: str = "return [B()]",
+    prelude: str = "",
+    api_version: int = 1,
+    jax_versions: str = "",
+) -> str:
+    """Write distribution ``dist`` offering ``backend`` into ``site``; returns its module name."""
+    module = f"throwaway_{backend}_{next(_counter)}"
+    source = BACKEND_SOURCE.format(name=backend, body=body, api_version=api_version,
+                                   jax_versions=jax_versions)
+    site.mkdir(parents=True, exist_ok=True)
+    (site / f"{module}.py").write_text(prelude + source)
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[attn_backends]\n{backend} = {module}\n")
+    return module
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    path = tmp_path / "site"
+    path.mkdir()
+    monkeypatch.syspath_prepend(str(path))
+    for var in ("ATTN_BACKENDS_ONLY", "ATTN_BACKENDS_DISABLE", "ATTN_BACKENDS_NO_AUTOLOAD",
+                "ATTN_BACKENDS_STRICT"):
+        monkeypatch.delenv(var, raising=False)
+    yield path
+    importlib.invalidate_caches()
+
+
+def test_installed_distribution_is_discovered_with_its_origin(site):
+    make_dist(site, "attn-backend-good", "good")
+    reg = ab.Registry()
+    assert "good" in reg.backends and "reference" in reg.backends
+    origin = reg.origins["good"]
+    assert (origin.distribution, origin.version, origin.plugin) == ("attn-backend-good", "0.3", "good")
+
+
+def test_plugin_raising_at_import_is_skipped_with_a_warning(site):
+    make_dist(site, "attn-backend-broken", "broken", prelude="raise ImportError('no libfoo.so')\n")
+    reg = ab.Registry()
+    with pytest.warns(ab.PluginWarning, match=r"plugin 'broken' from attn-backend-broken 0.3: failed to import .*ImportError: no libfoo.so"):
+        backends = reg.backends
+    assert "broken" not in backends and "reference" in backends
+    assert len(reg.problems) == 1 and "attn-backend-broken" in str(reg.problems[0])
+
+
+def test_strict_mode_raises_instead(site, monkeypatch):
+    make_dist(site, "attn-backend-broken", "broken", prelude="raise ImportError('no libfoo.so')\n")
+    with pytest.raises(ab.PluginError, match=r"attn-backend-broken 0.3.*strict mode"):
+        ab.Registry(strict=True).backends
+    monkeypatch.setenv("ATTN_BACKENDS_STRICT", "1")
+    with pytest.raises(ab.PluginError, match=r"attn-backend-broken"):
+        ab.Registry().backends
+
+
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ("raise RuntimeError('device query failed')", r"attn_backends_register\(\) raised RuntimeError: device query failed"),
+        ("return [object()]", r"returned object, expected an attn_backends.Backend instance"),
+        ("return B()", r"attn_backends_register\(\) must return a list of Backend, got B"),
+    ],
+)
+def test_hook_that_raises_or_returns_junk_is_skipped(site, body, match):
+    make_dist(site, "attn-backend-junk", "junk", body=body)
+    reg = ab.Registry()
+    with pytest.warns(ab.PluginWarning, match=r"attn-backend-junk 0.3: " + match):
+        backends = reg.backends
+    assert "junk" not in backends and "reference" in backends
+
+
+def test_hookimpl_with_a_bad_signature_is_skipped(site):
+    module = make_dist(site, "attn-backend-badsig", "badsig")
+    path = site / f"{module}.py"
+    path.write_text(path.read_text().replace("def attn_backends_register():", "def attn_backends_register(extra):"))
+    with pytest.warns(ab.PluginWarning, match=r"attn-backend-badsig 0.3: is not a valid plugin"):
+        assert "badsig" not in ab.Registry().backends
+
+
+def test_unsupported_api_version_names_both_versions(site):
+    make_dist(site, "attn-backend-future", "future", api_version=2)
+    with pytest.warns(ab.PluginWarning, match=r"attn-backend-future 0.3: backend 'future' implements api_version 2, core supports \[1\]"):
+        assert "future" not in ab.Registry().backends
+
+
+@pytest.mark.parametrize("order", ["aaa-first", "zzz-first"])
+def test_two_distributions_claiming_one_name_is_an_error_naming_both(tmp_path, monkeypatch, order):
+    first, second = tmp_path / "s1", tmp_path / "s2"
+    make_dist(first, "aaa-dist", "dupe")
+    make_dist(second, "zzz-dist", "dupe")
+    paths = [first, second] if order == "aaa-first" else [second, first]
+    for path in reversed(paths):
+        monkeypatch.syspath_prepend(str(path))
+    with pytest.raises(ab.PluginConflictError, match=r"backend name 'dupe' is registered by several distributions: aaa-dist, zzz-dist"):
+        ab.Registry().backends
+
+
+def test_same_distribution_twice_on_sys_path_registers_once(tmp_path, monkeypatch):
+    for folder in ("s1", "s2"):
+        make_dist(tmp_path / folder, "attn-backend-twice", "twice")
+        monkeypatch.syspath_prepend(str(tmp_path / folder))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg = ab.Registry()
+        assert "twice" in reg.backends and reg.problems == []
+
+
+@pytest.mark.parametrize("setting", ["disable", "only"])
+def test_disabled_or_not_allowed_plugins_are_never_imported(site, monkeypatch, setting):
+    module = make_dist(site, "attn-backend-sentinel", "sentinel",
+                       prelude="raise AssertionError('must never be imported')\n")
+    if setting == "disable":
+        monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "sentinel, other")
+    else:
+        monkeypatch.setenv("ATTN_BACKENDS_ONLY", "reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backends = ab.Registry().backends
+    assert module not in sys.modules and "sentinel" not in backends
+    assert ("reference" in backends) is True
+
+
+def test_no_autoload_loads_no_entry_points_but_keeps_in_process_plugins(site, monkeypatch):
+    from _support import Plugin, make_backend
+
+    make_dist(site, "attn-backend-good", "good")
+    monkeypatch.setenv("ATTN_BACKENDS_NO_AUTOLOAD", "1")
+    reg = ab.Registry(plugins=[Plugin(make_backend("inproc"))])
+    assert list(reg.backends) == ["inproc"]
+    assert reg.origins["inproc"].distribution == "<in-process>"
+
+
+def test_plugin_that_changes_jax_config_at_import_is_reported(site):
+    make_dist(site, "attn-backend-meddler", "meddler",
+              prelude="import jax\njax.config.update('jax_default_matmul_precision', 'highest')\n")
+    try:
+        with pytest.warns(ab.PluginWarning, match=r"attn-backend-meddler 0.3: changed jax.config at import: jax_default_matmul_precision: None -> 'highest'"):
+            ab.Registry().backends
+    finally:
+        jax.config.update("jax_default_matmul_precision", None)
+
+
+def test_backend_for_another_jax_is_skipped_with_both_versions(site):
+    make_dist(site, "attn-backend-old", "old", jax_versions=">=0.4,<0.5")
+    reg = ab.Registry()
+    with pytest.warns(ab.PluginWarning, match=rf"backend 'old' supports jax >=0.4,<0.5, but jax {jax.__version__} is installed"):
+        reg.backends
+    q = jax.ShapeDtypeStruct((1, 4, 2, 8), "float32")
+    exp = reg.get(device="cpu").explain(q, q, q)
+    verdict = next(v for v in exp.verdicts if v.backend == "old")
+    assert verdict.reasons == (f"jax {jax.__version__} is outside the supported range >=0.4,<0.5",)
+    assert exp.chosen != "old"

@@ -1,0 +1,188 @@
+"""Registry.get() and the Attention callable: selection, fallback, scopes, guards."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _support import make_backend, qkv
+
+import attn_backends as ab
+from attn_backends import _attention
+
+
+def test_strict_backend_never_falls_back_and_gives_its_reasons(fake_registry):
+    reg = fake_registry(make_backend("nowin", priority=9, window=False), make_backend("any", priority=1))
+    q, k, v = qkv()
+    with pytest.raises(ab.UnsupportedError, match=r"backend='nowin' cannot serve .* feature 'window' not supported"):
+        reg.get(device="cpu", backend="nowin")(q, k, v, window=(2, 2))
+
+
+def test_unknown_backend_name_lists_installed(fake_registry):
+    reg = fake_registry(make_backend("one"), make_backend("two"))
+    with pytest.raises(ab.UnknownBackendError, match=r"backend='three'.*installed: one, two"):
+        reg.get(device="cpu", backend="three")
+
+
+def test_bad_device_and_fallback_arguments(fake_registry):
+    reg = fake_registry(make_backend("one"))
+    with pytest.raises(ValueError, match=r"device: expected None, one of \['cpu', 'gpu', 'tpu'\]"):
+        reg.get(device="npu")
+    with pytest.raises(ValueError, match=r"fallback: expected one of"):
+        reg.get(fallback="loud")
+
+
+def test_absent_platform_raises_eagerly_naming_visible_platforms(fake_registry):
+    reg = fake_registry(make_backend("one"))
+    att = reg.get(device="tpu")
+    assert att.present is False
+    q, k, v = qkv()
+    with pytest.raises(ab.PlatformUnavailableError, match=r"JAX sees no tpu here \(visible: cpu\).*jax.export"):
+        att(q, k, v)
+
+
+def test_absent_platform_selects_by_manifest_for_export(fake_registry):
+    reg = fake_registry(make_backend("cpu_only", priority=9, platforms=("cpu",)), make_backend("everywhere"))
+    att = reg.get(device="tpu")
+    q, k, v = qkv()
+    exp = att.explain(q, k, v, causal=True)
+    assert exp.chosen == "everywhere" and exp.present is False and "unprobed" in str(exp)
+    exported = jax.export.export(jax.jit(lambda q, k, v: att(q, k, v, causal=True)), platforms=["tpu"])(q, k, v)
+    assert exported.platforms == ("tpu",)
+    assert "attn/everywhere" in exported.mlir_module()
+
+
+def test_fallback_warns_once_per_signature(fake_registry):
+    reg = fake_registry(make_backend("fast", priority=9, softcap=False), make_backend("slow", priority=1))
+    att = reg.get(device="cpu")
+    q, k, v = qkv()
+    with pytest.warns(ab.FallbackWarning, match=r"served by 'slow', passing over fast: feature 'softcap' not supported"):
+        att(q, k, v, softcap=5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        att(q, k, v, softcap=5.0)  # same signature: silent
+        att(q, k, v)  # the preferred backend serves: nothing to say
+    with pytest.warns(ab.FallbackWarning):
+        att(q[:, :5], k, v, softcap=5.0)  # a new signature warns again
+
+
+def test_fallback_error_and_silent(fake_registry):
+    reg = fake_registry(make_backend("fast", priority=9, softcap=False), make_backend("slow", priority=1))
+    q, k, v = qkv()
+    with pytest.raises(ab.UnsupportedError, match=r"passing over fast.*fallback='error'"):
+        reg.get(device="cpu", fallback="error")(q, k, v, softcap=5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.get(device="cpu", fallback="silent")(q, k, v, softcap=5.0)
+
+
+def test_no_backend_error_carries_every_reason(fake_registry):
+    reg = fake_registry(make_backend("a", mask=False), make_backend("b", platforms=("tpu",)))
+    q, k, v = qkv()
+    with pytest.raises(ab.NoBackendError) as info:
+        reg.get(device="cpu")(q, k, v, mask=jnp.ones((1, 1, 8, 8), bool))
+    assert info.value.reasons == {
+        "a": ["feature 'mask' not supported"],
+        "b": ["platform 'cpu' not in ['tpu']"],
+    }
+
+
+def test_selection_runs_once_per_signature_at_trace_time(fake_registry):
+    checks = []
+    reg = fake_registry(make_backend("counted", check=lambda call: checks.append(call) or []))
+    att = reg.get(device="cpu")
+    step = jax.jit(lambda q, k, v: att(q, k, v, causal=True))
+    q, k, v = qkv()
+    for _ in range(3):
+        step(q, k, v)
+    assert len(checks) == 1
+    att(q, k, v, causal=True)  # eager, same signature: cached selection
+    assert len(checks) == 1
+    step(q[:, :4], k, v)  # new shape: one more selection
+    assert len(checks) == 2
+
+
+def test_selection_cache_is_bounded(fake_registry, monkeypatch):
+    monkeypatch.setattr(_attention, "SELECTION_CACHE_SIZE", 4)
+    reg = fake_registry(make_backend("zeros", attend=lambda call, q, k, v, ops: jnp.zeros_like(q)))
+    att = reg.get(device="cpu")
+    q, k, v = qkv()
+    for t in range(1, 11):
+        att(q[:, :t], k, v)
+    assert len(att._selections) == 4
+
+
+def test_jitted_program_is_the_backends_own_plus_its_named_scope():
+    from attn_backend_reference import ReferenceBackend
+
+    reg = ab.Registry(only=["reference"])
+    att = reg.get(device="cpu")
+    q, k, v = qkv()
+    kwargs = dict(causal=True, softcap=30.0)
+    via_registry = jax.jit(lambda q, k, v: att(q, k, v, **kwargs)).lower(q, k, v)
+    call, ops = ab.bind(q, k, v, **kwargs)
+    direct = jax.jit(lambda q, k, v: ReferenceBackend().attend(call, q, k, v, ops)).lower(q, k, v)
+    assert via_registry.as_text() == direct.as_text()
+    assert "attn/reference" in via_registry.as_text(debug_info=True)
+    assert "attn/reference" not in direct.as_text(debug_info=True)
+
+
+def test_backend_options_reach_attend(fake_registry):
+    seen = {}
+
+    class Opts(ab.Backend):
+        name, version = "opts", "1"
+        capabilities = ab.Capabilities(platforms=frozenset({"cpu"}), gqa=True, differentiable=True)
+
+        def attend(self, call, q, k, v, operands, options=None):
+            seen["options"] = options
+            return jnp.zeros((call.batch, call.q_len, call.q_heads, call.v_head_dim), q.dtype)
+
+    reg = fake_registry(Opts())
+    q, k, v = qkv()
+    reg.get(device="cpu", backend_options={"opts": {"block": 64}})(q, k, v)
+    assert seen["options"] == {"block": 64}
+
+
+def test_gradient_a_backend_lacks_fails_loudly(fake_registry):
+    q, k, v = qkv()
+    frozen = fake_registry(make_backend("frozen", differentiable=False)).get(device="cpu")
+    frozen(q, k, v)  # forward is fine
+    with pytest.raises(ab.UnsupportedError, match=r"backend 'frozen' is not differentiable"):
+        jax.grad(lambda q: frozen(q, k, v).sum())(q)
+
+    nobiasgrad = fake_registry(make_backend("nbg", bias_grad=False)).get(device="cpu")
+    bias = jnp.zeros((1, 1, 8, 8))
+    dq = jax.grad(lambda q: nobiasgrad(q, k, v, bias=bias).sum())(q)
+    assert np.isfinite(np.asarray(dq)).all()
+    with pytest.raises(ab.UnsupportedError, match=r"backend 'nbg' has no gradient w.r.t. bias"):
+        jax.grad(lambda b: nobiasgrad(q, k, v, bias=b).sum())(bias)
+
+
+@pytest.mark.parametrize("b,tq,tk", [(0, 8, 8), (2, 0, 8), (2, 8, 0)])
+def test_empty_calls_give_zeros_without_running_a_kernel(fake_registry, b, tq, tk):
+    def explode(*args):
+        raise AssertionError("kernel must not run for an empty call")
+
+    att = fake_registry(make_backend("boom", attend=explode)).get(device="cpu")
+    q, k, v = qkv(b=b, tq=tq, tk=tk)
+    out, lse = att(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (b, tq, 4, 8) and lse.shape == (b, 4, tq)
+    assert not np.asarray(out).any() and np.isneginf(np.asarray(lse)).all()
+    dq = jax.grad(lambda q: att(q, k, v).sum())(q)
+    assert dq.shape == q.shape and not np.asarray(dq).any()
+
+
+def test_explain_is_structured_and_printable(fake_registry):
+    reg = fake_registry(make_backend("fast", priority=9, window=False), make_backend("slow", priority=1))
+    q, k, v = qkv()
+    exp = reg.explain(q, k, v, device="cpu", window=(1, 1))
+    assert exp.chosen == "slow"
+    data = exp.as_dict()
+    assert data["verdicts"][0]["backend"] == "fast" and data["verdicts"][0]["accepted"] is False
+    assert data["verdicts"][0]["reasons"] == ["feature 'window' not supported"]
+    text = str(exp)
+    assert "fast" in text and "rejected" in text and "CHOSEN" in text

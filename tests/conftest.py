@@ -21,3 +21,10 @@ def fake_registry() -> Callable[..., ab.Registry]:
 
     return build
 
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    """Probe verdicts and certificates go to a per-test folder, never ~/.cache."""
+    monkeypatch.setenv("ATTN_BACKENDS_CACHE_DIR", str(tmp_path / "attn-cache"))
+    return tmp_path / "attn-cache"

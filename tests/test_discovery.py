@@ -9,7 +9,6 @@ installed plugins.
 from __future__ import annotations
 
 import importlib
-import itertools
 import sys
 import warnings
 from pathlib import Path
@@ -18,53 +17,7 @@ import jax
 import pytest
 
 import attn_backends as ab
-
-_counter = itertools.count()
-
-BACKEND_SOURCE = '''
-from attn_backends import Backend, Capabilities, hookimpl
-
-class B(Backend):
-    name = {name!r}
-    version = "1.0"
-    api_version = {api_version}
-    capabilities = Capabilities(platforms=frozenset({{"cpu"}}), gqa=True, causal=True,
-                                differentiable=True, jax_versions={jax_versions!r})
-    priority = {{"cpu": 5}}
-
-    def attend(self, call, q, k, v, operands, options=None):
-        from attn_backend_reference._dense import dense_attention
-        return dense_attention(call, q, k, v, operands)
-
-@hookimpl
-def attn_backends_register():
-    {body}
-'''
-
-
-def make_dist(
-    site: Path,
-    dist: str,
-    backend: str,
-    *,
-    version: str = "0.3",
-    body: str = "return [B()]",
-    prelude: str = "",
-    api_version: int = 1,
-    jax_versions: str = "",
-) -> str:
-    """Write distribution ``dist`` offering ``backend`` into ``site``; returns its module name."""
-    module = f"throwaway_{backend}_{next(_counter)}"
-    source = BACKEND_SOURCE.format(name=backend, body=body, api_version=api_version,
-                                   jax_versions=jax_versions)
-    site.mkdir(parents=True, exist_ok=True)
-    (site / f"{module}.py").write_text(prelude + source)
-    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(f"[attn_backends]\n{backend} = {module}\n")
-    return module
-
+from _support import make_dist
 
 @pytest.fixture
 def site(tmp_path, monkeypatch):

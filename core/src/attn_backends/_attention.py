@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -18,8 +17,6 @@ from ._select import Explanation, select
 
 if TYPE_CHECKING:
     from ._registry import Registry
-
-logger = logging.getLogger("attn_backends")
 
 #: Distinct call signatures one Attention remembers; older ones are evicted.
 SELECTION_CACHE_SIZE = 512
@@ -115,7 +112,6 @@ class Attention:
             )
             if self.fallback == "error":
                 raise UnsupportedError(message + " (fallback='error')")
-            logger.warning(message)
             warnings.warn(message, FallbackWarning, stacklevel=4)
         return self.registry.backend(explanation.chosen)
 

@@ -29,7 +29,9 @@ class Registry:
     ``plugins`` are in-process plugin objects (modules or instances holding
     ``@hookimpl`` functions), registered besides the entry points. Settings
     left as None come from the ``ATTN_BACKENDS_*`` environment variables when
-    discovery runs.
+    discovery runs. ``probe`` is "auto" (compare each backend with the
+    reference once per key, cached on disk), None (no probes) or a callable
+    ``probe(backend, call, platform) -> reasons``.
     """
 
     def __init__(
@@ -40,7 +42,7 @@ class Registry:
         strict: bool | None = None,
         only: Sequence[str] | None = None,
         disable: Sequence[str] | None = None,
-        probe: Probe | None = None,
+        probe: Probe | None | str = "auto",
     ):
         self._plugins = list(plugins)
         self._overrides = {
@@ -49,7 +51,11 @@ class Registry:
             "only": None if only is None else frozenset(only),
             "disable": None if disable is None else frozenset(disable),
         }
-        self.probe = probe
+        if probe == "auto":
+            from ._probe import REFERENCE, Prober
+
+            probe = Prober(lambda: self.backends.get(REFERENCE))
+        self.probe: Probe | None = probe  # type: ignore[assignment]
         self._discovered: Discovered | None = None
         self._lock = threading.Lock()
 

@@ -1,0 +1,197 @@
+"""Probes: quarantine of wrong, raising and slow backends; the disk cache; no leaks."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _support import Plugin, make_backend, make_dist, qkv
+
+import attn_backends as ab
+from attn_backends import _attention, _certificates, _probe
+
+# A backend that claims causal but ignores it: the classic silent bug.
+IGNORES_CAUSAL = (
+    "def attend(self, call, q, k, v, operands, options=None):\n"
+    "        import dataclasses\n"
+    "        from attn_backend_reference._dense import dense_attention\n"
+    "        return dense_attention(dataclasses.replace(call, causal=False), q, k, v, operands)\n"
+)
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    path = tmp_path / "site"
+    monkeypatch.syspath_prepend(str(path))
+    path.mkdir()
+    return path
+
+
+def _ignoring_causal_dist(site):
+    module = make_dist(site, "attn-backend-liar", "liar")
+    path = site / f"{module}.py"
+    src = path.read_text()
+    start = src.index("    def attend(")
+    end = src.index("@hookimpl")
+    path.write_text(src[:start] + "    " + IGNORES_CAUSAL + "\n" + src[end:])
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active."""
+
+    def __init__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+COMPILES = CompileCounter()
+
+
+def test_wrong_backend_installed_as_a_distribution_is_quarantined(site):
+    _ignoring_causal_dist(site)
+    reg = ab.Registry(only=["reference", "liar"])
+    att = reg.get(device="cpu")
+    q, k, v = qkv(hq=2, hkv=2)
+    step = jax.jit(lambda q, k, v: att(q, k, v, causal=True))
+    with pytest.warns(ab.FallbackWarning) as record:
+        out = step(q, k, v)
+        step(q, k, v)
+    assert len(record) == 1
+    assert "served by 'reference', passing over liar: probe: output differs from the reference" in str(record[0].message)
+    want = reg.get(device="cpu", backend="reference")(q, k, v, causal=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # Without causal it is right, so the same backend serves that key.
+    assert att.explain(q, k, v).chosen == "liar"
+    verdict = next(v for v in att.explain(q, k, v, causal=True).verdicts if v.backend == "liar")
+    assert verdict.probed is True and not verdict.accepted
+    with pytest.raises(ab.UnsupportedError, match=r"backend='liar' cannot serve .*probe: output differs"):
+        reg.get(device="cpu", backend="liar")(q, k, v, causal=True)
+
+
+def test_cached_verdict_compiles_nothing_and_survives_a_new_process(site, isolated_cache):
+    _ignoring_causal_dist(site)
+    q, k, v = qkv(hq=2, hkv=2)
+    first = ab.Registry(only=["reference", "liar"]).get(device="cpu")
+    before = COMPILES.count
+    assert first.explain(q, k, v, causal=True).chosen == "reference"
+    assert COMPILES.count > before  # the probe compiled and ran
+    assert len(list((isolated_cache / "probes").glob("*.json"))) == 1
+    fresh = ab.Registry(only=["reference", "liar"]).get(device="cpu")  # new memory cache
+    before = COMPILES.count
+    assert fresh.explain(q, k, v, causal=True).chosen == "reference"
+    assert COMPILES.count == before
+
+
+def _prober_registry(runner, *backends, **kwargs):
+    reference = make_backend("reference", priority=0)
+    reg = ab.Registry(plugins=[Plugin(reference, *backends)], autoload=False, probe=None)
+    reg.probe = _probe.Prober(lambda: reg.backends["reference"], runner=runner, **kwargs)
+    return reg
+
+
+def test_probe_that_raises_quarantines_with_the_reason():
+    def runner(backend, reference, call, platform):
+        raise RuntimeError("Mosaic lowering failed\nlong details")
+
+    reg = _prober_registry(runner, make_backend("fragile", priority=9))
+    q, k, v = qkv()
+    exp = reg.get(device="cpu").explain(q, k, v)
+    assert exp.chosen == "reference"
+    assert exp.verdicts[0].reasons == ("probe raised RuntimeError: Mosaic lowering failed",)
+
+
+def test_probe_over_its_time_budget_quarantines():
+    def runner(backend, reference, call, platform):
+        time.sleep(2.0)
+        return []
+
+    reg = _prober_registry(runner, make_backend("slowpoke", priority=9), budget_s=0.2)
+    q, k, v = qkv()
+    exp = reg.get(device="cpu").explain(q, k, v)
+    assert exp.chosen == "reference"
+    assert exp.verdicts[0].reasons == ("probe did not finish within the 0.2 s budget (ATTN_BACKENDS_PROBE_BUDGET_S)",)
+
+
+def test_matching_certificate_counts_as_a_passed_probe():
+    ran = []
+    reg = _prober_registry(lambda *a: ran.append(a) or ["wrong"], make_backend("certified", priority=9))
+    cert = {**_certificates.environment_key("certified", "9.9", "cpu"), "passed": 12, "failed": 0}
+    assert _certificates.store(cert) is not None
+    q, k, v = qkv()
+    assert reg.get(device="cpu").explain(q, k, v).chosen == "certified"
+    assert ran == []
+
+
+def test_unwritable_cache_keeps_verdicts_in_memory_with_one_warning(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("ATTN_BACKENDS_CACHE_DIR", str(blocker / "cache"))
+    runs = []
+    reg = _prober_registry(lambda *a: runs.append(a) or [], make_backend("fine", priority=9))
+    att = reg.get(device="cpu")
+    q, k, v = qkv()
+    with pytest.warns(ab.AttnBackendsWarning, match=r"probe cache directory .* is not writable"):
+        assert att.explain(q, k, v).chosen == "fine"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert att.explain(q, k, v, causal=True).chosen == "fine"  # new key, no second warning
+        assert att.explain(q, k, v).chosen == "fine"  # memory hit
+    assert len(runs) == 2
+
+
+def test_corrupt_cache_entry_is_reprobed_with_one_warning(isolated_cache):
+    runs = []
+    reg = _prober_registry(lambda *a: runs.append(a) or [], make_backend("fine", priority=9))
+    q, k, v = qkv()
+    reg.get(device="cpu").explain(q, k, v)
+    (entry,) = (isolated_cache / "probes").glob("*.json")
+    entry.write_text("{not json")
+    reg2 = _prober_registry(lambda *a: runs.append(a) or [], make_backend("fine", priority=9))
+    with pytest.warns(ab.AttnBackendsWarning, match=r"probe cache entry .* is unreadable"):
+        assert reg2.get(device="cpu").explain(q, k, v).chosen == "fine"
+    assert len(runs) == 2
+    assert json.loads(entry.read_text())["passed"] is True  # rewritten
+
+
+def test_thousand_calls_keep_caches_bounded_and_no_arrays_alive(monkeypatch):
+    monkeypatch.setattr(_attention, "SELECTION_CACHE_SIZE", 16)
+    monkeypatch.setattr(_probe, "MEMORY_CACHE_SIZE", 8)
+
+    def zeros(call, q, k, v, ops):
+        return jnp.zeros((call.batch, call.q_len, call.q_heads, call.v_head_dim), q.dtype)
+
+    reg = _prober_registry(lambda *a: [], make_backend("fine", priority=9, attend=zeros))
+    att = reg.get(device="cpu")
+    # Inputs built once: 40 lengths x 2 dtypes x causal/softcap variants give
+    # far more signatures than either cache holds.
+    inputs = {
+        (t, dtype): tuple(x.astype(dtype) for x in qkv(tq=t, tk=40))
+        for t in range(1, 41)
+        for dtype in ("float32", "bfloat16")
+    }
+
+    def one_call(i):
+        q, k, v = inputs[(1 + i % 40, ("float32", "bfloat16")[i % 2])]
+        kw = {"causal": i % 3 == 0, "softcap": 10.0 if i % 5 == 0 else None}
+        att(q, k, v, **kw).block_until_ready()
+
+    for i in range(120):  # every signature once, so op caches are warm
+        one_call(i)
+    gc.collect()
+    live_before = len(jax.live_arrays())
+    for i in range(1000):
+        one_call(i)
+    gc.collect()
+    assert len(jax.live_arrays()) == live_before
+    assert len(att._selections) <= 16
+    assert reg.probe.memory_size <= 8

@@ -21,7 +21,8 @@ def test_list_table_and_json(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[0].split()
-    assert header == ["backend", "distribution", "version", "platforms", "dtypes", "head", "dims", "features"]
+    assert header == ["backend", "distribution", "version", "platforms", "dtypes", "head", "dims",
+                      "features", "certified", "probes"]
     assert "reference  attn-backend-reference" in out
     assert main(["list", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -61,3 +62,33 @@ def test_explain_for_an_absent_platform_is_manifest_only(capsys):
     assert main(["explain", "--device", "tpu", "--q", "1,8,2,64", "--kv", "1,8,2,64",
                  "--backend", "reference", "--dtype", "float16"]) == 0
     assert "(not present here: manifest only, unprobed)" in capsys.readouterr().out
+
+
+def test_probe_fills_the_cache_and_list_shows_it(capsys, isolated_cache):
+    from attn_backends import Registry
+    import attn_backends
+
+    # Two backends, so one is probed against the reference.
+    attn_backends.registry = Registry(only=["reference", "xla_native"])
+    assert main(["probe", "--backends", "xla_native", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert {r["backend"] for r in results} == {"xla_native"}
+    assert all(r["passed"] and r["source"] == "run" for r in results)
+    assert len(list((isolated_cache / "probes").glob("*.json"))) == len(results)
+    assert main(["list", "--json"]) == 0
+    listed = {b["backend"]: b for b in json.loads(capsys.readouterr().out)["backends"]}
+    assert listed["xla_native"]["probes"] == f"{len(results)} ok"
+    assert listed["reference"]["probes"] == "-"
+
+
+def test_doctor_reports_versions_platforms_backends_and_cache(capsys, isolated_cache):
+    import jax
+
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["jax"] == jax.__version__ and report["visible_platforms"] == {"cpu": "cpu"}
+    assert report["cache_dir"] == str(isolated_cache)
+    assert [b["backend"] for b in report["backends"]] == ["reference"]
+    assert report["environment"]["ATTN_BACKENDS_ONLY"] == "reference"
+    assert main(["doctor"]) == 0
+    assert "load problems: none" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The ``attn-backends`` command: list, explain."""
+"""The ``attn-backends`` command: list, explain, probe, doctor."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from . import _report
 from ._capabilities import DTYPES
 from ._errors import AttnBackendsError
 
@@ -46,8 +47,11 @@ def _registry() -> Any:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from ._platform import resolve
+
     registry = _registry()
     backends, origins, problems = registry.backends, registry.origins, registry.problems
+    platform, _ = resolve(None)
     records = []
     for name in sorted(backends):
         backend, origin = backends[name], origins[name]
@@ -60,6 +64,8 @@ def cmd_list(args: argparse.Namespace) -> int:
                 "api_version": backend.api_version,
                 "priority": dict(backend.priority),
                 "capabilities": caps.as_dict(),
+                "certified": _report.certificate_summary(backend, platform),
+                "probes": _report.probe_summary(name),
             }
         )
     if args.json:
@@ -73,10 +79,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         rows.append([
             rec["backend"], rec["distribution"], rec["version"],
             ",".join(caps["platforms"]), ",".join(caps["dtypes"]), caps["head_dims"],
-            ",".join(features) or "-",
+            ",".join(features) or "-", rec["certified"], rec["probes"],
         ])
     if rows:
-        print(_table(rows, ["backend", "distribution", "version", "platforms", "dtypes", "head dims", "features"]))
+        header = ["backend", "distribution", "version", "platforms", "dtypes", "head dims",
+                  "features", "certified", "probes"]
+        print(_table(rows, header))
     else:
         print("no backends installed: pip install attn-backend-reference (or attn-backends[xla])")
     if problems:
@@ -121,6 +129,61 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0 if explanation.chosen else 1
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from ._platform import resolve
+    from ._probe import Prober
+
+    registry = _registry()
+    platform, present = resolve(args.device)
+    if not present:
+        print(f"attn-backends probe: JAX sees no {platform} here; probes run on the real device",
+              file=sys.stderr)
+        return 2
+    prober = registry.probe if isinstance(registry.probe, Prober) else Prober(
+        lambda: registry.backends.get("reference"))
+    names = args.backends.split(",") if args.backends else sorted(registry.backends)
+    results, quarantined = [], 0
+    for name in names:
+        backend = registry.backend(name)
+        for call in _report.probe_plan(backend):
+            if backend.capabilities.unmet(call, platform):
+                continue
+            print(f"probing {name}: {call.describe()} ...", file=sys.stderr, flush=True)
+            verdict = prober.verdict(backend, call, platform)
+            quarantined += not verdict.passed
+            results.append({
+                "backend": name, "call": call.describe(), "passed": verdict.passed,
+                "source": verdict.source, "seconds": round(verdict.seconds, 3),
+                "reasons": list(verdict.reasons),
+            })
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        rows = [[r["backend"], r["call"], "ok" if r["passed"] else "QUARANTINED", r["source"],
+                 f"{r['seconds']:.2f}", "; ".join(r["reasons"]) or "-"] for r in results]
+        print(_table(rows, ["backend", "call", "verdict", "source", "seconds", "reasons"]))
+    return 1 if quarantined else 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    report = _report.doctor(_registry())
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for key, value in report.items():
+        if key == "backends":
+            print("backends:")
+            for rec in value:
+                print("  " + "  ".join(f"{k}={v}" for k, v in rec.items()))
+        elif key == "load_problems":
+            print("load problems:" + ("" if value else " none"))
+            for problem in value:
+                print(f"  - {problem}")
+        else:
+            print(f"{key}: {value}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attn-backends", description="Inspect and choose JAX attention backends."
@@ -149,6 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_exp.add_argument("--prefer", default=None, help="comma-separated names to try first")
     p_exp.add_argument("--json", action="store_true")
     p_exp.set_defaults(func=cmd_explain)
+
+    p_probe = sub.add_parser("probe", help="fill the probe cache for installed backends on this device")
+    p_probe.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
+    p_probe.add_argument("--backends", default=None, help="comma-separated names (default: all)")
+    p_probe.add_argument("--json", action="store_true")
+    p_probe.set_defaults(func=cmd_probe)
+
+    p_doc = sub.add_parser("doctor", help="environment report to paste into a bug report")
+    p_doc.add_argument("--json", action="store_true")
+    p_doc.set_defaults(func=cmd_doctor)
     return parser
 
 

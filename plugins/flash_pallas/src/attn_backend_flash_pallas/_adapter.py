@@ -1,0 +1,88 @@
+"""The mapping from a contract call (BTNH) to the splash kernels ([B, H, T, D]) and back.
+
+Steps: pre-scale q (splash does not scale; softcap then applies to
+``scale * q·k`` as the contract says), pad Tq and Tk to the block multiples,
+move heads before time, build the band and the segment ids, run the kernel
+(vmapped over batch), then cut the padding, restore BTNH and zero the rows past
+``q_lengths``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attn_backends import AttentionCall, Operands
+
+from . import _masks
+from ._config import SplashBlockSizes
+from ._interpret import interpret_enabled
+
+
+def local_tpu_kind() -> str | None:
+    """``device_kind`` of this host's first TPU, or None without one (e.g. exporting)."""
+    import jax
+
+    try:
+        return jax.devices("tpu")[0].device_kind
+    except RuntimeError:
+        return None
+
+
+def resolve_blocks(call: AttentionCall, options: Any, interpret: bool) -> SplashBlockSizes:
+    """``options`` when given (must be a :class:`SplashBlockSizes`), else the default.
+
+    The default follows this host's TPU; without one it is the generic TPU row,
+    or the small interpret row when interpret mode is on.
+    """
+    if options is None:
+        kind = local_tpu_kind()
+        if kind is None and interpret:
+            kind = "cpu"
+        return SplashBlockSizes.default_for(call, kind)
+    if not isinstance(options, SplashBlockSizes):
+        raise ValueError(
+            "options: expected attn_backend_flash_pallas.SplashBlockSizes or None, "
+            f"got {type(options).__name__}"
+        )
+    return options
+
+
+def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands, options: Any) -> Any:
+    """Attention for a validated call; q ``[B, Tq, Hq, D]`` -> out ``[B, Tq, Hq, Dv]`` (+ lse)."""
+    import jax.numpy as jnp
+
+    from . import _kernel
+
+    interpret = interpret_enabled()
+    blocks = resolve_blocks(call, options, interpret)
+    tq_pad, tk_pad = blocks.padded(call)
+
+    def to_kernel(x: Any, length: int) -> Any:
+        # [B, T, H, D] -> [B, H, T_pad, D]; padded rows/keys are zeros, masked later.
+        x = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
+        return x.transpose(0, 2, 1, 3)
+
+    q_scaled = q * jnp.asarray(call.scale, q.dtype)
+    ids: tuple[Any, ...] = ()
+    if _masks.needs_segment_ids(call, tk_pad):
+        ids = _masks.segment_ids(call, operands, tq_pad, tk_pad)
+    plan = _kernel.KernelPlan(
+        q_len=tq_pad,
+        kv_len=tk_pad,
+        band=_masks.static_window(call),
+        offset=call.offset,
+        softcap=call.softcap,
+        blocks=blocks,
+        segmented=bool(ids),
+        interpret=interpret,
+    )
+    out, lse = _kernel.attention_fn(plan)(
+        to_kernel(q_scaled, tq_pad), to_kernel(k, tk_pad), to_kernel(v, tk_pad), *ids
+    )
+    out = out[:, :, : call.q_len].transpose(0, 2, 1, 3)
+    lse = lse[:, :, : call.q_len]
+    if operands.q_lengths is not None:
+        row = jnp.arange(call.q_len)[None, :] < operands.q_lengths[:, None]  # [B, Tq]
+        out = jnp.where(row[:, :, None, None], out, jnp.zeros((), out.dtype))
+        lse = jnp.where(row[:, None, :], lse, -jnp.inf)
+    return (out, lse) if call.return_lse else out

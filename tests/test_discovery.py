@@ -138,7 +138,7 @@ def test_plugin_that_changes_jax_config_at_import_is_reported(site):
     make_dist(site, "attn-backend-meddler", "meddler",
               prelude="import jax\njax.config.update('jax_default_matmul_precision', 'highest')\n")
     try:
-        with pytest.warns(ab.PluginWarning, match=r"attn-backend-meddler 0.3: changed jax.config at import: jax_default_matmul_precision: None -> 'highest'"):
+        with pytest.warns(ab.PluginWarning, match=r"attn-backend-meddler 0.3: changed global state at import: jax.config jax_default_matmul_precision: None -> 'highest'"):
             ab.Registry().backends
     finally:
         jax.config.update("jax_default_matmul_precision", None)
@@ -154,3 +154,25 @@ def test_backend_for_another_jax_is_skipped_with_both_versions(site):
     verdict = next(v for v in exp.verdicts if v.backend == "old")
     assert verdict.reasons == (f"jax {jax.__version__} is outside the supported range >=0.4,<0.5",)
     assert exp.chosen != "old"
+
+
+def test_importing_a_jax_submodule_is_not_a_patch(site):
+    make_dist(site, "attn-backend-importer", "importer",
+              prelude="import jax.experimental.pallas.tpu\nimport jax.experimental.shard_map\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "importer" in ab.Registry().backends
+
+
+def test_plugin_that_patches_another_module_at_import_is_reported(site):
+    import jax.nn
+
+    original = jax.nn.dot_product_attention
+    make_dist(site, "attn-backend-patcher", "patcher",
+              prelude="import jax.nn\njax.nn.dot_product_attention = lambda *a, **k: None\n")
+    try:
+        with pytest.warns(ab.PluginWarning, match=r"attn-backend-patcher 0.3: changed global state at import: replaced jax.nn.dot_product_attention"):
+            backends = ab.Registry().backends
+        assert "patcher" in backends  # reported, not hidden; strict mode would raise
+    finally:
+        jax.nn.dot_product_attention = original

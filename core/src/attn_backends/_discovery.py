@@ -10,6 +10,7 @@ before anything is imported.
 from __future__ import annotations
 
 import os
+import types
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -106,18 +107,43 @@ def _normalise(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
-def _jax_config_snapshot() -> dict[str, Any]:
+#: Modules a plugin must not patch at import; checked by identity of attributes.
+GUARDED_MODULES = ("jax", "jax.numpy", "jax.lax", "jax.nn", "attn_backends")
+
+
+def _snapshot() -> tuple[dict[str, Any], dict[str, int]]:
+    """jax.config values, and the identity of every attribute of the guarded modules.
+
+    Submodules are left out: importing ``jax.experimental.pallas`` legitimately
+    adds ``jax.experimental`` to ``jax``.
+    """
+    import importlib
+
     import jax
 
-    return dict(jax.config.values)
+    ids = {}
+    for name in GUARDED_MODULES:
+        module = importlib.import_module(name)
+        for attr, value in vars(module).items():
+            if not (isinstance(value, types.ModuleType) and value.__name__ == f"{name}.{attr}"):
+                ids[f"{name}.{attr}"] = id(value)
+    return dict(jax.config.values), ids
 
 
-def _config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    return [
-        f"{key}: {before.get(key)!r} -> {after.get(key)!r}"
-        for key in sorted(set(before) | set(after))
-        if before.get(key) != after.get(key)
+def _changes(before: tuple[dict[str, Any], dict[str, int]], after: tuple[dict[str, Any], dict[str, int]]) -> list[str]:
+    """What a plugin import changed: config values, replaced or added module attributes."""
+    (config_before, ids_before), (config_after, ids_after) = before, after
+    changes = [
+        f"jax.config {key}: {config_before.get(key)!r} -> {config_after.get(key)!r}"
+        for key in sorted(set(config_before) | set(config_after))
+        if config_before.get(key) != config_after.get(key)
     ]
+    for attr in sorted(set(ids_before) | set(ids_after)):
+        if attr not in ids_before:
+            changes.append(f"added {attr}")
+        elif ids_after.get(attr) != ids_before[attr]:
+            changes.append(f"replaced {attr}")
+    return changes
 
 
 class Loader:
@@ -145,15 +171,15 @@ class Loader:
             origin = Origin(ep.name, dist, version)
             if not self.settings.allows(ep.name):
                 continue
-            before = _jax_config_snapshot()
+            before = _snapshot()
             try:
                 module = ep.load()
             except Exception as exc:  # noqa: BLE001 - reported, other plugins still load
                 self.problem(origin, f"failed to import {ep.value!r}: {type(exc).__name__}: {exc}")
                 continue
-            changes = _config_changes(before, _jax_config_snapshot())
+            changes = _changes(before, _snapshot())
             if changes:
-                self.problem(origin, "changed jax.config at import: " + "; ".join(changes))
+                self.problem(origin, "changed global state at import: " + "; ".join(changes))
             self.register(module, origin)
 
     def register(self, plugin: object, origin: Origin) -> None:

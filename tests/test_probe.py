@@ -125,11 +125,17 @@ def test_probe_over_its_time_budget_quarantines():
 def test_matching_certificate_counts_as_a_passed_probe():
     ran = []
     reg = _prober_registry(lambda *a: ran.append(a) or ["wrong"], make_backend("certified", priority=9))
-    cert = {**_certificates.environment_key("certified", "9.9", "cpu"), "passed": 12, "failed": 0}
-    assert _certificates.store(cert) is not None
+    key = _certificates.environment_key("certified", "9.9", "cpu")
+    quick = {**key, "passed": True, "mode": "quick", "only_families": None}
+    assert _certificates.store(quick) is not None
     q, k, v = qkv()
+    assert reg.get(device="cpu").explain(q, k, v).chosen == "reference"  # a quick run is not enough
+    assert len(ran) == 1
+    full = {**quick, "mode": "full"}
+    assert _certificates.store(full) is not None
+    reg = _prober_registry(lambda *a: ran.append(a) or ["wrong"], make_backend("certified", priority=9))
     assert reg.get(device="cpu").explain(q, k, v).chosen == "certified"
-    assert ran == []
+    assert len(ran) == 1
 
 
 def test_unwritable_cache_keeps_verdicts_in_memory_with_one_warning(tmp_path, monkeypatch):

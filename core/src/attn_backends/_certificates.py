@@ -51,6 +51,15 @@ def store(certificate: dict[str, Any]) -> Path | None:
     return path
 
 
+def is_full_pass(certificate: dict[str, Any]) -> bool:
+    """A passed run of the whole suite (not ``--attn-quick`` or ``--attn-only``)."""
+    return (
+        certificate.get("passed") is True
+        and certificate.get("mode") == "full"
+        and not certificate.get("only_families")
+    )
+
+
 def find(backend: str, backend_version: str, platform: str) -> dict[str, Any] | None:
     """The stored certificate matching this environment, or None."""
     key = environment_key(backend, backend_version, platform)

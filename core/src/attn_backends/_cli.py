@@ -1,4 +1,4 @@
-"""The ``attn-backends`` command: list, explain, probe, doctor."""
+"""The ``attn-backends`` command: list, explain, check, probe, doctor."""
 
 from __future__ import annotations
 
@@ -165,6 +165,18 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 1 if quarantined else 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        from attn_backends_contracts import run_check
+    except ImportError:
+        print("attn-backends check: the conformance suite is not installed: "
+              "pip install attn-backends-contracts", file=sys.stderr)
+        return 2
+    _registry().backend(args.backend)
+    extra = (["--attn-quick"] if args.quick else []) + list(args.pytest_args)
+    return run_check(args.backend, args.json, extra)
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     report = _report.doctor(_registry())
     if args.json:
@@ -218,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_probe.add_argument("--backends", default=None, help="comma-separated names (default: all)")
     p_probe.add_argument("--json", action="store_true")
     p_probe.set_defaults(func=cmd_probe)
+
+    p_check = sub.add_parser("check", help="run the conformance suite against a backend")
+    p_check.add_argument("backend", help="installed backend name")
+    p_check.add_argument("--json", default=None, metavar="FILE", help="write the certificate here")
+    p_check.add_argument("--quick", action="store_true", help="reduced case table")
+    p_check.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
+    p_check.set_defaults(func=cmd_check)
 
     p_doc = sub.add_parser("doctor", help="environment report to paste into a bug report")
     p_doc.add_argument("--json", action="store_true")

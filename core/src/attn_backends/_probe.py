@@ -205,7 +205,7 @@ class Prober:
 
     def _from_certificate(self, backend: Backend, platform: str) -> ProbeVerdict | None:
         cert = _certificates.find(backend.name, backend.version, platform)
-        if cert is not None and cert.get("failed") == 0 and cert.get("passed", 0) > 0:
+        if cert is not None and _certificates.is_full_pass(cert):
             return ProbeVerdict(True, (), 0.0, "certificate")
         return None
 

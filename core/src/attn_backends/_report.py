@@ -76,7 +76,9 @@ def certificate_summary(backend: Backend, platform: str) -> str:
     cert = _certificates.find(backend.name, backend.version, platform)
     if cert is None:
         return "no"
-    return f"yes ({cert.get('passed', '?')} passed, {cert.get('failed', '?')} failed)"
+    cases = cert.get("cases", {})
+    verdict = "yes" if _certificates.is_full_pass(cert) else f"FAILED ({cert.get('mode')} run)"
+    return f"{verdict}: {cases.get('passed', '?')}/{cases.get('run', '?')} cases"
 
 
 def doctor(registry: Any) -> dict[str, Any]:

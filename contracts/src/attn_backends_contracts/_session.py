@@ -1,0 +1,228 @@
+"""The suite's state for one pytest session: the backend under test and its results.
+
+Created only when the suite runs (``--attn-backend``, ``--attn-backend-object``
+or an in-process provider from :func:`attn_backends_contracts.run_check`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from .cases import Case, cases_for
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Platform names as JAX reports them -> the contract's names.
+_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+
+SUITE_KEY = pytest.StashKey["Suite | None"]()
+
+
+def family(name: str) -> Callable[[F], F]:
+    """Tag a suite test function with the case family it reports under."""
+
+    def tag(fn: F) -> F:
+        fn._attn_family = name  # type: ignore[attr-defined]
+        return fn
+
+    return tag
+
+
+def _plugin_for(backend: Any) -> object:
+    """An in-process plugin object whose hook registers ``backend``."""
+    import attn_backends
+
+    class InProcessPlugin:
+        __name__ = f"attn-backends-contracts:{backend.name}"
+
+        @attn_backends.hookimpl
+        def attn_backends_register(self) -> list[Any]:
+            return [backend]
+
+    return InProcessPlugin()
+
+
+def load_object(spec: str) -> Any:
+    """``module:attr`` or ``path/to/file.py:attr`` -> a Backend instance.
+
+    ``attr`` may be a Backend instance, a Backend subclass (instantiated) or a
+    callable returning one.
+    """
+    import attn_backends
+
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise pytest.UsageError(
+            f"--attn-backend-object: expected 'module:attr' or 'file.py:attr', got {spec!r}"
+        )
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        module_spec = importlib.util.spec_from_file_location(f"_attn_object_{path.stem}", path)
+        if module_spec is None or module_spec.loader is None:
+            raise pytest.UsageError(f"--attn-backend-object: cannot load {where!r}")
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    obj = getattr(module, attr)
+    if isinstance(obj, type) and issubclass(obj, attn_backends.Backend):
+        obj = obj()
+    elif not isinstance(obj, attn_backends.Backend) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, attn_backends.Backend):
+        raise pytest.UsageError(
+            f"--attn-backend-object: {spec!r} is a {type(obj).__name__}, expected an "
+            "attn_backends.Backend instance, subclass or factory"
+        )
+    return obj
+
+
+def local_platform() -> str:
+    import jax
+
+    name = jax.default_backend()
+    return _PLATFORM_ALIASES.get(name, name)
+
+
+class Suite:
+    """The backend under test, how it is called, its cases, and what happened.
+
+    ``attention`` is ``Registry(plugins=[backend]).get(device=platform,
+    backend=name, fallback="error")`` with ``probe=None``: the registry path
+    model code takes, strict, without other backends or probes. ``records``
+    holds one dict per test (outcome, family, case, dtype, message);
+    ``worst`` the largest normalised error per dtype and output.
+    """
+
+    def __init__(self, backend: Any, *, source: str, platform: str, quick: bool,
+                 only: list[str] | None = None):
+        import attn_backends
+
+        self.backend = backend
+        self.caps = backend.capabilities
+        self.source = source
+        self.platform = platform
+        self.quick = quick
+        self.only = only
+        if platform not in self.caps.platforms:
+            raise pytest.UsageError(
+                f"backend {backend.name!r} does not claim platform {platform!r} (it claims "
+                f"{sorted(self.caps.platforms)}): run the suite where JAX sees one of those, "
+                "or pass --attn-device"
+            )
+        # No probe: the suite judges the backend itself, case by case; a probe
+        # quarantine would turn every verdict into the same UnsupportedError.
+        self.registry = attn_backends.Registry(
+            plugins=[_plugin_for(backend)], autoload=False, probe=None
+        )
+        self.attention = self.attention_on(platform)
+        self.cases: list[Case] = cases_for(self.caps, quick=quick)
+        self.records: list[dict[str, Any]] = []
+        self.worst: dict[str, dict[str, float]] = {}
+        self.certificate: dict[str, Any] | None = None
+        self.certificate_path: str | None = None
+        self._outcomes: dict[str, Any] = {}
+
+    def attention_on(self, platform: str) -> Any:
+        return self.registry.get(device=platform, backend=self.backend.name, fallback="error")
+
+    @property
+    def primary_dtype(self) -> str:
+        return "float32" if "float32" in self.caps.dtypes else sorted(self.caps.dtypes)[0]
+
+    def declined(self, case: Case) -> list[str]:
+        """Reasons the backend's ``check(call)`` gives for not serving ``case``.
+
+        A case the manifest allows but ``check`` declines (say Dv != D) is
+        skipped with these reasons, shown in the summary and certificate.
+        """
+        import attn_backends
+
+        from .cases import make_inputs
+
+        data = make_inputs(case)
+        call, _ = attn_backends.bind(data["q"], data["k"], data["v"],
+                                     return_lse=case.return_lse, **data["kwargs"])
+        return [str(r) for r in self.backend.check(call)]
+
+    def outcome(self, case: Case) -> Any:
+        """The :class:`~._runner.Outcome` of ``case``, computed once (errors re-raised)."""
+        from ._runner import run_case
+
+        if case.id not in self._outcomes:
+            try:
+                result: Any = run_case(self.attention, self.caps, case)
+            except Exception as exc:  # noqa: BLE001 - re-raised by every test of the case
+                result = exc
+            self._outcomes[case.id] = result
+        result = self._outcomes[case.id]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def unclaimed(self) -> list[tuple[str, str]]:
+        """(kind, value) the manifest does not claim: features, dtypes, platforms,
+        a head dim it rejects, and gradients it does not implement."""
+        import attn_backends
+
+        caps = self.caps
+        out = [("feature", f) for f in attn_backends.FEATURES if f not in caps.features]
+        out += [("dtype", d) for d in sorted(attn_backends.DTYPES - caps.dtypes)]
+        out += [("platform", p) for p in sorted(attn_backends.PLATFORMS - caps.platforms)]
+        rejected = next((d for d in range(1, 4097) if caps.head_dims.reasons(d, "d")), None)
+        if rejected is not None:
+            out.append(("head_dim", str(rejected)))
+        if not caps.differentiable:
+            out.append(("gradient", "qkv"))
+        elif caps.bias and not caps.bias_grad:
+            out.append(("gradient", "bias"))
+        return out
+
+    def masking(self) -> list[str]:
+        """Claimed features that hide keys: each must change the output."""
+        return [f for f in ("causal", "window", "segment_ids", "lengths", "mask")
+                if f in self.caps.features]
+
+    def note_errors(self, dtype: str, errors: dict[str, float]) -> None:
+        worst = self.worst.setdefault(dtype, {})
+        for name, value in errors.items():
+            worst[name] = max(worst.get(name, 0.0), value)
+
+
+def resolve(config: pytest.Config) -> Suite | None:
+    """The session's :class:`Suite`, created on first use; None when not asked for."""
+    key = SUITE_KEY
+    if key in config.stash:
+        return config.stash[key]
+    name = config.getoption("attn_backend", None)
+    spec = config.getoption("attn_backend_object", None)
+    provided = [p for p in config.pluginmanager.get_plugins()
+                if getattr(p, "attn_backend_provided", None) is not None]
+    suite = None
+    if provided or name or spec:
+        import attn_backends
+
+        if provided:
+            backend, source = provided[0].attn_backend_provided, "in-process"
+        elif spec:
+            backend, source = load_object(spec), f"object {spec}"
+        else:
+            backend, source = attn_backends.registry.backend(name), "installed"
+        if name and backend.name != name:
+            raise pytest.UsageError(
+                f"--attn-backend={name!r} but the given object is backend {backend.name!r}"
+            )
+        platform = config.getoption("attn_device", None) or local_platform()
+        only = config.getoption("attn_only", None)
+        suite = Suite(backend, source=source, platform=platform,
+                      quick=bool(config.getoption("attn_quick", False)),
+                      only=sorted(f.strip() for f in only.split(",")) if only else None)
+    config.stash[key] = suite
+    return suite

@@ -1,0 +1,392 @@
+"""Named case tables: the shapes and features the conformance suite runs.
+
+Each table is a tuple of :class:`Case` for one *family* (what the cases are
+about: ``causal``, ``gqa``, ``masked_rows``, ...). :func:`cases_for` picks the
+cases a backend's manifest can serve (features, dtypes, head dims) and fills
+in the head dim, so the suite, benchmarks and autotuners share one table.
+Lengths are small on purpose (compile time dominates on CPU) but include 1,
+primes, ``Tq != Tk`` both ways and lengths that are not multiples of 16 or
+128 (block sizes). ``quick=True`` cases form the reduced table of
+``--attn-quick``.
+
+:func:`make_inputs` builds the arrays of a case deterministically from its
+name: q, k, v in the case's dtype and their float64 values (what the oracle
+sees), the optional operands, and the cotangents for the gradient check.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+#: Values written at invisible key positions for ``inputs="garbage"``: finite
+#: (float16 max is 65504) and large, so a backend that lets them leak shows.
+GARBAGE = 3.0e4
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention call of the suite.
+
+    ``head_dim`` / ``v_head_dim`` None mean "the backend's base head dim".
+    ``segments``: "packed" (per-example random packing) or "disjoint" (some
+    query rows share no id with any key). ``mask`` / ``bias``: "full"
+    ``[B,Hq,Tq,Tk]``, "shared" ``[1,1,..]``, "per_batch" ``[B,1,..]``,
+    "per_head" ``[1,Hq,..]``, or for mask "empty_rows" (full, some rows all
+    False). ``inputs``: "normal", "large" (q, k scaled by 1e3), "equal" (every
+    key identical: equal logits), "garbage" (invisible keys hold ``GARBAGE``).
+    ``lse``: request ``return_lse`` when the backend claims it (the
+    ``return_lse`` feature itself is ``return_lse``).
+    """
+
+    name: str
+    family: str
+    batch: int = 1
+    q_len: int = 17
+    kv_len: int = 17
+    q_heads: int = 2
+    kv_heads: int = 2
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    dtype: str = "float32"
+    scale: float | None = None
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    segments: str | None = None
+    q_lengths: tuple[int, ...] | None = None
+    kv_lengths: tuple[int, ...] | None = None
+    mask: str | None = None
+    bias: str | None = None
+    bias_dtype: str | None = None
+    softcap: float | None = None
+    return_lse: bool = False
+    lse: bool = False
+    inputs: str = "normal"
+    quick: bool = False
+
+    @property
+    def id(self) -> str:
+        """Test id: ``family-name-dtype``."""
+        return f"{self.family}-{self.name}-{self.dtype}"
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The contract features (``attn_backends.FEATURES``) this case needs."""
+        used = {
+            "gqa": self.q_heads != self.kv_heads,
+            "causal": self.causal,
+            "window": self.window is not None,
+            "segment_ids": self.segments is not None,
+            "lengths": self.q_lengths is not None or self.kv_lengths is not None,
+            "mask": self.mask is not None,
+            "bias": self.bias is not None,
+            "softcap": self.softcap is not None,
+            "return_lse": self.return_lse,
+        }
+        return frozenset(f for f, on in used.items() if on)
+
+
+def _c(family: str, name: str, **kw: Any) -> Case:
+    return Case(name=name, family=family, **kw)
+
+
+SHAPES = (
+    _c("shapes", "q17k17", quick=True),
+    _c("shapes", "q16k32b2", batch=2, q_len=16, kv_len=32, quick=True),
+    _c("shapes", "q1k1", q_len=1, kv_len=1),
+    _c("shapes", "q1k37", q_len=1, kv_len=37),
+    _c("shapes", "q37k1", q_len=37, kv_len=1),
+    _c("shapes", "q13k29", q_len=13, kv_len=29),
+    _c("shapes", "q29k13", q_len=29, kv_len=13),
+    _c("shapes", "scale0.3", scale=0.3),
+)
+BLOCKS = (
+    _c("blocks", "q129k129", q_len=129, kv_len=129, q_heads=1, kv_heads=1),
+    _c("blocks", "q130k257", q_len=130, kv_len=257, q_heads=1, kv_heads=1, causal=True),
+    _c("blocks", "q257k130", q_len=257, kv_len=130, q_heads=1, kv_heads=1),
+)
+GQA = (
+    _c("gqa", "h4kv2", q_heads=4, kv_heads=2, quick=True),
+    _c("gqa", "h8kv2", q_heads=8, kv_heads=2, q_len=11, kv_len=13),
+    _c("gqa", "h4kv1-mqa", q_heads=4, kv_heads=1),
+    _c("gqa", "h6kv3", q_heads=6, kv_heads=3, q_len=7, kv_len=7),
+)
+CAUSAL = (
+    _c("causal", "q17k17", causal=True, quick=True),
+    _c("causal", "q7k19", q_len=7, kv_len=19, causal=True, quick=True),
+    _c("causal", "q19k7", q_len=19, kv_len=7, causal=True),
+    _c("causal", "q1k23", q_len=1, kv_len=23, causal=True),
+    _c("causal", "q16k32", q_len=16, kv_len=32, causal=True),
+)
+WINDOW = (
+    _c("window", "w3-1", window=(3, 1), quick=True),
+    _c("window", "w2-0-q7k19", window=(2, 0), q_len=7, kv_len=19),
+    _c("window", "wNone-0", window=(None, 0)),
+    _c("window", "w4-None-q19k11", window=(4, None), q_len=19, kv_len=11),
+    _c("window", "w0-0", window=(0, 0)),
+)
+SEGMENT_IDS = (
+    _c("segment_ids", "packed-b2", batch=2, segments="packed", quick=True),
+    _c("segment_ids", "packed-q13k29", q_len=13, kv_len=29, segments="packed"),
+)
+LENGTHS = (
+    _c("lengths", "kv-b3", batch=3, kv_lengths=(17, 9, 1), quick=True),
+    _c("lengths", "q-and-kv-b2", batch=2, q_lengths=(5, 17), kv_lengths=(11, 17)),
+    _c("lengths", "garbage-b2", batch=2, kv_lengths=(6, 13), inputs="garbage"),
+)
+MASK = (
+    _c("mask", "full", mask="full", quick=True),
+    _c("mask", "shared", mask="shared", q_len=11, kv_len=23),
+    _c("mask", "per-batch", batch=2, mask="per_batch"),
+    _c("mask", "per-head", mask="per_head", q_heads=4, kv_heads=4),
+)
+BIAS = (
+    _c("bias", "full", bias="full", quick=True),
+    _c("bias", "shared", bias="shared", q_len=11, kv_len=23),
+    _c("bias", "per-head", bias="per_head", batch=2),
+    _c("bias", "per-batch-f32", batch=2, bias="per_batch", bias_dtype="float32"),
+)
+SOFTCAP = (
+    _c("softcap", "c5", softcap=5.0, quick=True),
+    _c("softcap", "c2-q11k23", softcap=2.0, q_len=11, kv_len=23),
+)
+RETURN_LSE = (
+    _c("return_lse", "q17k17", return_lse=True),
+    _c("return_lse", "q7k19", return_lse=True, q_len=7, kv_len=19),
+)
+COMBINED = (
+    _c("combined", "softcap+bias", softcap=5.0, bias="full", quick=True),
+    _c("combined", "causal+segments", causal=True, segments="packed", batch=2),
+    _c("combined", "window+mask", window=(5, 2), mask="full", q_len=11, kv_len=19),
+    _c("combined", "causal+window", causal=True, window=(4, None), q_len=19, kv_len=19),
+    _c("combined", "causal+lengths+gqa", causal=True, batch=2, q_heads=4, kv_heads=2,
+       q_len=9, kv_len=15, q_lengths=(9, 4), kv_lengths=(15, 10)),
+    _c("combined", "all", batch=2, q_heads=4, kv_heads=2, q_len=11, kv_len=19, causal=True,
+       window=(8, None), segments="packed", kv_lengths=(19, 14), mask="per_head",
+       bias="full", softcap=5.0, return_lse=True, quick=True),
+)
+MASKED_ROWS = (
+    _c("masked_rows", "causal-q23k5", q_len=23, kv_len=5, causal=True, lse=True, quick=True),
+    _c("masked_rows", "kv-len0-b2", batch=2, kv_lengths=(0, 9), lse=True, quick=True),
+    _c("masked_rows", "q-len-short-b2", batch=2, q_lengths=(3, 0), lse=True),
+    _c("masked_rows", "disjoint-segments", segments="disjoint", lse=True),
+    _c("masked_rows", "mask-empty-rows", mask="empty_rows", lse=True),
+    _c("masked_rows", "window-past-length", q_len=5, kv_len=19, window=(0, 0),
+       kv_lengths=(10,), lse=True),
+)
+MAGNITUDE = (
+    _c("magnitude", "large", inputs="large", lse=True, quick=True),
+    _c("magnitude", "large-causal-q7k19", inputs="large", causal=True, q_len=7, kv_len=19),
+    _c("magnitude", "equal", inputs="equal", lse=True),
+)
+RAGGED = (
+    _c("ragged", "lengths-b3", batch=3, q_len=13, kv_len=21, q_lengths=(13, 7, 2),
+       kv_lengths=(21, 12, 5)),
+    _c("ragged", "segments-b3", batch=3, q_len=13, kv_len=13, segments="packed"),
+)
+
+#: Every table by family name, in report order.
+TABLES: dict[str, tuple[Case, ...]] = {
+    t[0].family: t
+    for t in (SHAPES, BLOCKS, GQA, CAUSAL, WINDOW, SEGMENT_IDS, LENGTHS, MASK, BIAS,
+              SOFTCAP, RETURN_LSE, COMBINED, MASKED_ROWS, MAGNITUDE, RAGGED)
+}
+
+#: Cases repeated in every claimed dtype besides the primary one ((family, name)).
+DTYPE_SWEEP = (
+    ("shapes", "q17k17"), ("shapes", "q13k29"), ("gqa", "h4kv2"), ("causal", "q7k19"),
+    ("masked_rows", "causal-q23k5"), ("magnitude", "large"), ("bias", "full"),
+    ("bias", "per-batch-f32"), ("lengths", "kv-b3"), ("combined", "all"),
+)
+#: The part of the sweep kept by ``quick``.
+QUICK_SWEEP = (("shapes", "q17k17"),)
+
+#: Candidate head dims for the ``head_dims`` family when the manifest sets no list.
+HEAD_DIM_CANDIDATES = (8, 32, 64, 128, 256)
+
+
+def _head_dim_ok(head_dims: Any, d: int) -> bool:
+    return not head_dims.reasons(d, "head_dim")
+
+
+def base_head_dim(head_dims: Any) -> int:
+    """Smallest accepted head dim >= 16 (or the smallest accepted at all)."""
+    if head_dims.allowed is not None:
+        ordered = sorted(head_dims.allowed)
+        pool = [d for d in ordered if d >= 16 and _head_dim_ok(head_dims, d)] or [
+            d for d in ordered if _head_dim_ok(head_dims, d)
+        ]
+        if not pool:
+            raise ValueError(f"head_dims {head_dims.describe()} accepts no head dim")
+        return pool[0]
+    m = head_dims.multiple_of
+    d = max(m, -(-16 // m) * m)
+    if head_dims.max is not None and d > head_dims.max:
+        d = (head_dims.max // m) * m
+    if d < 1 or not _head_dim_ok(head_dims, d):
+        raise ValueError(f"head_dims {head_dims.describe()} accepts no head dim")
+    return d
+
+
+def head_dim_cases(head_dims: Any, base: int) -> tuple[Case, ...]:
+    """The ``head_dims`` family: other accepted dims, and Dv != D when possible."""
+    pool = sorted(head_dims.allowed) if head_dims.allowed is not None else HEAD_DIM_CANDIDATES
+    dims = [d for d in pool if d != base and _head_dim_ok(head_dims, d)][:4]
+    out = [_c("head_dims", f"d{d}", head_dim=d, v_head_dim=d, q_len=11, kv_len=11,
+              quick=(i == 0)) for i, d in enumerate(dims)]
+    if dims:
+        out.append(_c("head_dims", f"d{base}-dv{dims[0]}", head_dim=base, v_head_dim=dims[0],
+                      q_len=11, kv_len=11))
+    return tuple(out)
+
+
+def cases_for(capabilities: Any, *, quick: bool = False) -> list[Case]:
+    """Cases a manifest can serve, head dims filled in, each claimed dtype covered.
+
+    The primary dtype (float32 if claimed, else the first claimed) runs every
+    table; each other claimed dtype runs :data:`DTYPE_SWEEP`. Cases whose
+    features are not all claimed are dropped; ``lse=True`` cases ask for lse
+    only when ``return_lse`` is claimed.
+    """
+    caps = capabilities
+    dtypes = sorted(caps.dtypes)
+    primary = "float32" if "float32" in caps.dtypes else dtypes[0]
+    base = base_head_dim(caps.head_dims)
+    tables = dict(TABLES)
+    tables["head_dims"] = head_dim_cases(caps.head_dims, base)
+    chosen: list[Case] = []
+    for table in tables.values():
+        for case in table:
+            if quick and not case.quick:
+                continue
+            chosen.append(replace(case, dtype=primary))
+    sweep = QUICK_SWEEP if quick else DTYPE_SWEEP
+    by_key = {(c.family, c.name): c for t in tables.values() for c in t}
+    for dtype in dtypes:
+        if dtype != primary:
+            chosen += [replace(by_key[key], dtype=dtype) for key in sweep if key in by_key]
+    out = []
+    for case in chosen:
+        d = case.head_dim or base
+        case = replace(case, head_dim=d, v_head_dim=case.v_head_dim or d,
+                       return_lse=case.return_lse or (case.lse and caps.return_lse))
+        if case.features <= caps.features:
+            out.append(case)
+    return out
+
+
+def _rng(case: Case, salt: str = "") -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(f"{case.family}/{case.name}/{salt}".encode()))
+
+
+def _cast(x: np.ndarray, dtype: str) -> tuple[Any, np.ndarray]:
+    """``x`` in ``dtype`` (numpy, via ml_dtypes for bfloat16) and its float64 value."""
+    import jax.numpy as jnp
+
+    typed = np.asarray(x, dtype=np.float32).astype(jnp.dtype(dtype))
+    return typed, typed.astype(np.float64)
+
+
+def _segments(rng: np.random.Generator, b: int, tq: int, tk: int, kind: str) -> tuple:
+    if kind == "disjoint":
+        q_ids = np.zeros((b, tq), np.int32)
+        q_ids[:, : tq // 2] = 7  # no key has id 7: these rows see nothing
+        return q_ids, np.zeros((b, tk), np.int32)
+    q_ids, kv_ids = np.zeros((b, tq), np.int32), np.zeros((b, tk), np.int32)
+    for i in range(b):
+        n_seg = int(rng.integers(2, 4))
+        cuts = np.sort(rng.uniform(0.1, 0.9, n_seg - 1))
+        q_ids[i] = np.searchsorted(cuts, (np.arange(tq) + 0.5) / tq)
+        kv_ids[i] = np.searchsorted(cuts, (np.arange(tk) + 0.5) / tk)
+    return q_ids, kv_ids
+
+
+def _pair_shape(kind: str, b: int, h: int, tq: int, tk: int) -> tuple[int, int, int, int]:
+    return {
+        "full": (b, h, tq, tk), "empty_rows": (b, h, tq, tk), "shared": (1, 1, tq, tk),
+        "per_batch": (b, 1, tq, tk), "per_head": (1, h, tq, tk),
+    }[kind]
+
+
+def make_inputs(case: Case) -> dict[str, Any]:
+    """Arrays of ``case``; deterministic in its family and name.
+
+    Keys: q, k, v (numpy, case dtype) and q64, k64, v64 (their float64
+    values); kwargs (attention keyword arguments, numpy operands); d_out
+    (cotangent, case dtype) and d_out64; d_lse (float32 ``[B, Hq, Tq]``).
+    """
+    rng = _rng(case)
+    b, tq, tk, hq, hkv = case.batch, case.q_len, case.kv_len, case.q_heads, case.kv_heads
+    d, dv = case.head_dim or 16, case.v_head_dim or case.head_dim or 16
+    q = rng.standard_normal((b, tq, hq, d))
+    k = rng.standard_normal((b, tk, hkv, d))
+    v = rng.standard_normal((b, tk, hkv, dv))
+    if case.inputs == "large":
+        q, k = q * 1e3, k * 1e3
+    elif case.inputs == "equal":
+        k = np.broadcast_to(k[:, :1], k.shape).copy()
+    elif case.inputs == "garbage" and case.kv_lengths is not None:
+        for i, n in enumerate(case.kv_lengths):
+            k[i, n:], v[i, n:] = GARBAGE, -GARBAGE
+    kwargs: dict[str, Any] = {
+        "scale": case.scale, "causal": case.causal, "window": case.window,
+        "softcap": case.softcap,
+    }
+    if case.segments is not None:
+        kwargs["segment_ids"] = _segments(rng, b, tq, tk, case.segments)
+    if case.q_lengths is not None:
+        kwargs["q_lengths"] = np.asarray(case.q_lengths, np.int32)
+    if case.kv_lengths is not None:
+        kwargs["kv_lengths"] = np.asarray(case.kv_lengths, np.int32)
+    if case.mask is not None:
+        mask = rng.uniform(size=_pair_shape(case.mask, b, hq, tq, tk)) < 0.75
+        if case.mask == "empty_rows":
+            mask[:, :, ::3] = False
+        kwargs["mask"] = mask
+    if case.bias is not None:
+        bias = rng.standard_normal(_pair_shape(case.bias, b, hq, tq, tk))
+        kwargs["bias"] = _cast(bias, case.bias_dtype or case.dtype)[0]
+    (q, q64), (k, k64), (v, v64) = (_cast(x, case.dtype) for x in (q, k, v))
+    d_out, d_out64 = _cast(rng.standard_normal((b, tq, hq, dv)), case.dtype)
+    d_lse = (0.5 * rng.standard_normal((b, hq, tq))).astype(np.float32)
+    return {
+        "q": q, "k": k, "v": v, "q64": q64, "k64": k64, "v64": v64, "kwargs": kwargs,
+        "d_out": d_out, "d_out64": d_out64, "d_lse": d_lse,
+    }
+
+
+#: Per feature, what a small call adds to use it (unclaimed, masking-effect tests).
+FEATURE_CALLS: dict[str, dict[str, Any]] = {
+    "gqa": {"q_heads": 4, "kv_heads": 2},
+    "causal": {"causal": True},
+    "window": {"window": (2, 1)},
+    "segment_ids": {"segments": "packed", "batch": 2},
+    "lengths": {"kv_lengths": (5, 11), "batch": 2},
+    "mask": {"mask": "full"},
+    "bias": {"bias": "full"},
+    "softcap": {"softcap": 5.0},
+    "return_lse": {"return_lse": True},
+}
+
+
+def single_case(capabilities: Any, family: str, name: str, feature: str | None = None,
+                **overrides: Any) -> Case:
+    """A small ``q11/k11`` case in the primary dtype and base head dim, using ``feature``."""
+    caps = capabilities
+    primary = "float32" if "float32" in caps.dtypes else sorted(caps.dtypes)[0]
+    base = base_head_dim(caps.head_dims)
+    fields: dict[str, Any] = {"q_len": 11, "kv_len": 11, "head_dim": base, "dtype": primary}
+    fields.update(FEATURE_CALLS.get(feature, {}) if feature else {})
+    fields.update(overrides)
+    fields.setdefault("v_head_dim", fields["head_dim"])
+    return Case(name=name, family=family, **fields)
+
+
+def transform_case(capabilities: Any) -> Case:
+    """The case of the transform tests: batch 2, GQA and causal when claimed."""
+    caps = capabilities
+    return single_case(caps, "transforms", "base", batch=2, q_len=13, kv_len=13, q_heads=4,
+                       kv_heads=2 if caps.gqa else 4, causal=caps.causal)

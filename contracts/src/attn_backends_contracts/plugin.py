@@ -1,0 +1,179 @@
+"""The pytest plugin (entry point ``pytest11``) that runs the conformance suite.
+
+Loaded into every pytest run of an environment where the distribution is
+installed, so it is inert unless asked: importing it imports neither JAX nor
+attn-backends, and without ``--attn-backend`` / ``--attn-backend-object`` (or
+a provider from :func:`attn_backends_contracts.run_check`) its hooks do
+nothing beyond adding the options.
+
+    pytest --pyargs attn_backends_contracts --attn-backend=NAME [--attn-json FILE]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: Fixture names the suite parametrizes; a test without them is left alone.
+_PARAMETERS = ("attn_case", "attn_unclaimed", "attn_dtype", "attn_masking")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("attn-backends", "attn-backends conformance suite")
+    group.addoption("--attn-backend", metavar="NAME", default=None,
+                    help="run the conformance suite against the installed backend NAME")
+    group.addoption("--attn-backend-object", metavar="MODULE:ATTR", default=None,
+                    help="run it against a Backend object (module:attr or file.py:attr), "
+                         "without installing it")
+    group.addoption("--attn-device", metavar="PLATFORM", default=None,
+                    help="platform to run on (cpu, gpu, tpu); default: JAX's default")
+    group.addoption("--attn-quick", action="store_true", default=False,
+                    help="the reduced case table (quick smoke run; not a certificate)")
+    group.addoption("--attn-only", metavar="FAMILY,...", default=None,
+                    help="run only these case families (e.g. causal,masked_rows)")
+    group.addoption("--attn-json", metavar="FILE", default=None,
+                    help="write the certificate JSON to FILE")
+
+
+def _active(config: pytest.Config) -> bool:
+    return bool(
+        config.getoption("attn_backend", None)
+        or config.getoption("attn_backend_object", None)
+        or any(
+            getattr(p, "attn_backend_provided", None) is not None
+            for p in config.pluginmanager.get_plugins()
+        )
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _active(config):
+        config.pluginmanager.register(_Recorder(config), "attn-backends-contracts-recorder")
+
+
+def _suite(config: pytest.Config) -> Any:
+    from ._session import resolve
+
+    return resolve(config) if _active(config) else None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    names = [n for n in _PARAMETERS if n in metafunc.fixturenames]
+    if not names:
+        return
+    suite = _suite(metafunc.config)
+    if suite is None:
+        reason = "the conformance suite needs --attn-backend=NAME or --attn-backend-object"
+        metafunc.parametrize(names[0], [pytest.param(None, marks=pytest.mark.skip(reason=reason))])
+        return
+    name = names[0]
+    if name == "attn_case":
+        metafunc.parametrize(name, suite.cases, ids=[c.id for c in suite.cases])
+    elif name == "attn_unclaimed":
+        values = suite.unclaimed()
+        metafunc.parametrize(name, values, ids=[f"{k}-{v}" for k, v in values])
+    elif name == "attn_dtype":
+        dtypes = sorted(suite.caps.dtypes)
+        metafunc.parametrize(name, dtypes, ids=dtypes)
+    else:
+        features = suite.masking()
+        metafunc.parametrize(name, features, ids=features)
+
+
+@pytest.fixture(scope="session")
+def attn_suite(request: pytest.FixtureRequest) -> Any:
+    """The :class:`~attn_backends_contracts._session.Suite` of this run."""
+    suite = _suite(request.config)
+    if suite is None:
+        pytest.skip("the conformance suite needs --attn-backend=NAME")
+    return suite
+
+
+def _message(report: pytest.TestReport) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return str(crash.message).splitlines()[0][:300]
+    if isinstance(report.longrepr, tuple):  # skip: (file, line, reason)
+        return str(report.longrepr[2])[:300]
+    return str(report.longrepr).splitlines()[-1][:300] if report.longrepr else ""
+
+
+class _Recorder:
+    """Collects each suite test's verdict; writes the certificate; prints the summary."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.meta: dict[str, dict[str, Any]] = {}
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        only = self.config.getoption("attn_only", None)
+        wanted = {f.strip() for f in only.split(",")} if only else None
+        kept, dropped = [], []
+        for item in items:
+            fn = getattr(item, "function", None)
+            fam = getattr(fn, "_attn_family", None)
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            case = params.get("attn_case")
+            if case is None and fam is None:
+                kept.append(item)
+                continue
+            dtype = case.dtype if case is not None else params.get("attn_dtype")
+            self.meta[item.nodeid] = {
+                "test": getattr(fn, "__name__", item.name),
+                "family": case.family if case is not None else fam,
+                "case": case.id if case is not None else None,
+                "dtype": dtype,
+                "param": item.name,
+            }
+            if wanted is None or self.meta[item.nodeid]["family"] in wanted:
+                kept.append(item)
+            else:
+                dropped.append(item)
+        if dropped:
+            self.config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        meta = self.meta.get(report.nodeid)
+        suite = self.config.stash.get(_key(), None)
+        if meta is None or suite is None:
+            return
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            suite.records.append(
+                {**meta, "outcome": report.outcome,
+                 "message": "" if report.passed else _message(report)}
+            )
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        suite = self.config.stash.get(_key(), None)
+        if suite is None:
+            return
+        from ._report import certificate
+
+        suite.certificate = certificate(suite, int(exitstatus))
+        path = self.config.getoption("attn_json", None)
+        if path:
+            Path(path).write_text(json.dumps(suite.certificate, indent=2, sort_keys=True))
+            suite.certificate_path = str(path)
+        for provider in self.config.pluginmanager.get_plugins():
+            if hasattr(provider, "attn_backend_provided"):
+                provider.suite = suite
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        suite = self.config.stash.get(_key(), None)
+        if suite is None or suite.certificate is None:
+            return
+        from ._report import summary_lines
+
+        terminalreporter.section("attn-backends conformance")
+        for line in summary_lines(suite):
+            terminalreporter.write_line(line)
+
+
+def _key() -> Any:
+    from ._session import SUITE_KEY
+
+    return SUITE_KEY

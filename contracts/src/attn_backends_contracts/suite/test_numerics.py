@@ -1,0 +1,47 @@
+"""Every case of the table: forward (out, lse) and gradients against the float64 oracle.
+
+Parametrized by ``attn_case`` from the backend's manifest
+(:func:`attn_backends_contracts.cases.cases_for`); the case's family is what
+the summary and the certificate report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+
+def _skip_declined(suite: Any, case: Any) -> None:
+    reasons = suite.declined(case)
+    if reasons:
+        pytest.skip(f"declined by the backend's check(): {'; '.join(reasons)}")
+
+
+def test_forward(attn_suite: Any, attn_case: Any) -> None:
+    """out (and lse when asked) equal the oracle; rows with no visible key are exactly 0."""
+    _skip_declined(attn_suite, attn_case)
+    outcome = attn_suite.outcome(attn_case)
+    names = tuple(n for n in ("out", "lse") if n in outcome.errors)
+    attn_suite.note_errors(attn_case.dtype, {n: outcome.errors[n] for n in names})
+    bad = tuple(n for n in names if not outcome.errors[n] <= 1.0)
+    assert not bad, f"{attn_case.id}: {outcome.describe(bad)} (inf: NaN/Inf or shape mismatch)"
+    out = outcome.actual["out"].transpose(0, 2, 1, 3)  # [B, Hq, Tq, Dv]
+    empty = out[outcome.empty_rows]
+    assert np.all(empty == 0), (
+        f"{attn_case.id}: rows with no visible key must output exactly 0, got max "
+        f"|out| {np.max(np.abs(empty)):.3g}"
+    )
+
+
+def test_gradients(attn_suite: Any, attn_case: Any) -> None:
+    """dq, dk, dv (and dbias when bias_grad is claimed) equal the oracle's VJP."""
+    if not attn_suite.caps.differentiable:
+        pytest.skip("differentiable=False: test_unclaimed checks that gradients raise")
+    _skip_declined(attn_suite, attn_case)
+    outcome = attn_suite.outcome(attn_case)
+    names = tuple(n for n in ("dq", "dk", "dv", "dbias") if n in outcome.errors)
+    attn_suite.note_errors(attn_case.dtype, {n: outcome.errors[n] for n in names})
+    bad = tuple(n for n in names if not outcome.errors[n] <= 1.0)
+    assert not bad, f"{attn_case.id}: {outcome.describe(bad)} (inf: NaN/Inf or shape mismatch)"

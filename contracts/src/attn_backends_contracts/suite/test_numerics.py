@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from attn_backends_contracts import tolerances
+
 
 def _skip_declined(suite: Any, case: Any) -> None:
     reasons = suite.declined(case)
@@ -42,6 +44,12 @@ def test_gradients(attn_suite: Any, attn_case: Any) -> None:
     _skip_declined(attn_suite, attn_case)
     outcome = attn_suite.outcome(attn_case)
     names = tuple(n for n in ("dq", "dk", "dv", "dbias") if n in outcome.errors)
+    if attn_case.inputs in tolerances.GRADIENT_FINITE_ONLY_INPUTS:
+        # Ill-conditioned in float32 for flash-style backward passes: see
+        # tolerances.GRADIENT_FINITE_ONLY_INPUTS for the written reason.
+        infinite = tuple(n for n in names if not np.isfinite(outcome.actual[n]).all())
+        assert not infinite, f"{attn_case.id}: non-finite gradients {infinite}"
+        return
     attn_suite.note_errors(attn_case.dtype, {n: outcome.errors[n] for n in names})
     bad = tuple(n for n in names if not outcome.errors[n] <= 1.0)
     assert not bad, f"{attn_case.id}: {outcome.describe(bad)} (inf: NaN/Inf or shape mismatch)"

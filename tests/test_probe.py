@@ -201,3 +201,20 @@ def test_thousand_calls_keep_caches_bounded_and_no_arrays_alive(monkeypatch):
     assert len(jax.live_arrays()) == live_before
     assert len(att._selections) <= 16
     assert reg.probe.memory_size <= 8
+
+
+def test_probe_runs_in_the_callers_context():
+    import contextvars
+
+    switch = contextvars.ContextVar("switch", default=False)
+
+    def runner(backend, reference, call, platform):
+        return [] if switch.get() else ["the caller's context was not visible"]
+
+    reg = _prober_registry(runner, make_backend("contextual", priority=9))
+    q, k, v = qkv()
+    token = switch.set(True)  # like flash_pallas' interpret_mode()
+    try:
+        assert reg.get(device="cpu").explain(q, k, v).chosen == "contextual"
+    finally:
+        switch.reset(token)

@@ -14,6 +14,7 @@ from ._errors import FallbackWarning, NoBackendError, PlatformUnavailableError, 
 from ._guards import empty_result, no_gradient
 from ._platform import visible_platforms
 from ._select import Explanation, select
+from ._sharding import Layout, ShardingRequest, explain_sharded, resolve_layout, sharded_attention
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -30,7 +31,10 @@ class Attention:
     softcap=None, return_lse=False)`` with q ``[B, Tq, Hq, D]``, k
     ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` returns out ``[B, Tq, Hq, Dv]``
     (and lse ``[B, Hq, Tq]`` float32 with ``return_lse=True``). Selection
-    runs once per call signature, at trace time under ``jit``.
+    runs once per call signature, at trace time under ``jit``. Inputs sharded
+    on a mesh (or ``sharding`` from ``registry.get(mesh=, spec=,
+    sequence_axis=)``) are served per device, or as ring attention when the
+    sequence is sharded (docs/MANY_CHIPS.md).
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class Attention:
         prefer: tuple[str, ...],
         fallback: str,
         backend_options: dict[str, Any],
+        sharding: ShardingRequest | None = None,
     ):
         self.registry = registry
         self.platform = platform
@@ -51,7 +56,8 @@ class Attention:
         self.prefer = prefer
         self.fallback = fallback
         self.backend_options = backend_options
-        self._selections: OrderedDict[AttentionCall, Backend] = OrderedDict()
+        self.sharding = sharding
+        self._selections: OrderedDict[tuple[AttentionCall, Layout | None], Backend] = OrderedDict()
 
     def __repr__(self) -> str:
         pinned = f" backend={self.backend_name!r}" if self.backend_name else ""
@@ -77,22 +83,28 @@ class Attention:
     def explain(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Explanation:
         """Every backend's verdict for this call; arrays or ``jax.ShapeDtypeStruct``s."""
         call, _ = bind(q, k, v, **kwargs)
+        layout = resolve_layout(self.sharding, q, k, v)
+        if layout is not None:
+            return explain_sharded(self, call, layout)
         return self.explain_call(call)
 
-    def backend_for(self, call: AttentionCall) -> Backend:
-        """The backend serving ``call``, selecting (and warning) on first sight."""
-        cached = self._selections.get(call)
+    def backend_for(self, call: AttentionCall, layout: Layout | None = None) -> Backend:
+        """The backend serving ``call`` (laid out as ``layout``), selecting on first sight."""
+        key = (call, layout)
+        cached = self._selections.get(key)
         if cached is not None:
-            self._selections.move_to_end(call)
+            self._selections.move_to_end(key)
             return cached
-        chosen = self._choose(call)
-        self._selections[call] = chosen
+        explanation = (
+            self.explain_call(call) if layout is None else explain_sharded(self, call, layout)
+        )
+        chosen = self._choose(call, explanation)
+        self._selections[key] = chosen
         if len(self._selections) > SELECTION_CACHE_SIZE:
             self._selections.popitem(last=False)
         return chosen
 
-    def _choose(self, call: AttentionCall) -> Backend:
-        explanation = self.explain_call(call)
+    def _choose(self, call: AttentionCall, explanation: Explanation) -> Backend:
         if explanation.chosen is None:
             reasons = {v.backend: list(v.reasons) for v in explanation.verdicts}
             if self.backend_name is not None:
@@ -147,7 +159,15 @@ class Attention:
                 "platform serves ahead-of-time export only: trace it with "
                 f"jax.export.export(jax.jit(f), platforms=[{self.platform!r}])."
             )
-        backend = self.backend_for(call)
+        layout = resolve_layout(self.sharding, q, k, v)
+        if layout is not None:
+            return sharded_attention(self, call, layout, q, k, v, operands)
+        return self.run_backend(self.backend_for(call), call, q, k, v, operands)
+
+    def run_backend(
+        self, backend: Backend, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands
+    ) -> Any:
+        """Call ``backend`` on the whole (global) arrays, guarded and named."""
         q, k, v, operands = _guard_gradients(backend, q, k, v, operands)
         with jax.named_scope(f"attn/{backend.name}"):
             return backend.attend(

@@ -11,7 +11,6 @@ the time budget is quarantined for that key.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 import logging
@@ -181,9 +180,14 @@ class Prober:
         # Selection runs while the caller's function is being traced, and JAX's
         # trace state is per thread: a worker thread runs the probe eagerly on
         # concrete arrays instead of joining the caller's program, and bounds
-        # its time.
+        # its time. It runs in a copy of the caller's context, so context-local
+        # switches (e.g. flash_pallas' interpret_mode()) hold there too.
+        import concurrent.futures  # only when a probe actually runs
+        import contextvars
+
+        context = contextvars.copy_context()
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="attn-probe")
-        future = pool.submit(self._runner, backend, reference, call, platform)
+        future = pool.submit(context.run, self._runner, backend, reference, call, platform)
         pool.shutdown(wait=False)
         try:
             outcome = future.result(timeout=self.budget_s)

@@ -109,15 +109,29 @@ class Registry:
         prefer: Sequence[str] | None = None,
         fallback: str = "warn",
         backend_options: Mapping[str, Any] | None = None,
+        *,
+        mesh: Any = None,
+        spec: Any = None,
+        sequence_axis: str | None = None,
+        ring_block: int | None = None,
     ) -> Attention:
         """An :class:`Attention` callable for ``device`` (None = JAX's default).
 
         ``backend="x"`` is strict (no fallback). ``prefer`` lists names to try
         first. ``fallback`` is "warn", "error" or "silent". ``backend_options``
         maps a backend name to its config object (e.g. block sizes).
+
+        Sharding (docs/MANY_CHIPS.md): ``mesh`` (a ``jax.sharding.Mesh`` or
+        ``AbstractMesh``) and ``spec`` (a ``PartitionSpec`` over the BTNH dims
+        of q, k, v) say how inputs are laid out when their own sharding does
+        not (e.g. under ``jit`` with Auto axes); ``sequence_axis`` names the mesh
+        axis the sequence is split over, which runs ring attention, whose
+        backend calls take sub-chunks of at most ``ring_block`` tokens (None:
+        1024).
         """
         from ._attention import Attention
         from ._platform import resolve
+        from ._sharding import ShardingRequest
 
         if fallback not in FALLBACK_MODES:
             raise ValueError(f"fallback: expected one of {FALLBACK_MODES}, got {fallback!r}")
@@ -132,6 +146,7 @@ class Registry:
             prefer=tuple(prefer or ()),
             fallback=fallback,
             backend_options=dict(backend_options or {}),
+            sharding=ShardingRequest(mesh, spec, sequence_axis, ring_block),
         )
 
     def explain(self, q: Any, k: Any, v: Any, *, device: Any = None, **kwargs: Any) -> Explanation:

@@ -73,14 +73,20 @@ class _Splash:
     stage_kwargs: dict[str, Any]
 
 
-@functools.lru_cache(maxsize=64)
 def _splash(plan: KernelPlan, heads: int) -> _Splash:
     """The splash kernel object and backward mask infos for ``heads`` kernel heads.
 
-    Built eagerly even when first asked for inside a trace: its mask infos are
-    concrete arrays, so the cached object can serve later traces without leaking
-    tracers.
+    Cached per abstract mesh too: the mask infos carry the mesh they were built
+    under, and one built outside a ``shard_map`` cannot serve inside one.
     """
+    return _splash_on_mesh(plan, heads, jax.sharding.get_abstract_mesh())
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_on_mesh(plan: KernelPlan, heads: int, mesh: Any) -> _Splash:
+    """Built eagerly even when first asked for inside a trace: its mask infos are
+    concrete arrays, so the cached object can serve later traces without leaking
+    tracers."""
     with jax.ensure_compile_time_eval():
         kernel = sk.make_splash_mha(
             plan.mask(heads),

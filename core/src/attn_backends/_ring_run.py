@@ -1,0 +1,238 @@
+"""Ring attention through the registry: plan, backend choice, zigzag order, shard_map.
+
+A call whose sequence dim is sharded over a mesh axis (``sequence_axis=`` or a
+spec/sharding naming it) runs as a ring over that axis (see ``_ring``), inside
+one ``shard_map`` that also splits batch and heads as the layout says. The
+per-block calls go to one backend, chosen like any call but judged on every
+per-block call the ring will make (so explain shows why a backend cannot run
+in a ring, e.g. no ``return_lse``, or no ``lengths`` when kv_lengths are given).
+
+Causal calls are balanced with the zigzag order: q, k, v arrive split in
+contiguous slices (device r holds chunks 2r and 2r+1 of 2P); two ``ppermute``
+per array move them so device r holds chunks r and 2P-1-r, and the output
+moves back the same way. Users see ordinary contiguous sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from ._contract import AttentionCall, Operands
+from ._errors import UnsupportedError
+from ._ring import RingPlan, ring_fn
+from ._select import Explanation
+from ._sharding import Layout, ShardedExplanation, _local, operand_specs, place_all, present
+
+if TYPE_CHECKING:
+    from ._attention import Attention
+    from ._backend import Backend
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+#: Default longest sub-chunk (tokens) per backend call inside the ring.
+RING_BLOCK = 1024
+
+
+def _splits(q_len: int, kv_len: int, block: int) -> int:
+    """Fewest sub-chunks dividing both lengths evenly, none longer than ``block``."""
+    g = math.gcd(q_len, kv_len)
+    fits = (n for n in range(1, g + 1) if g % n == 0 and max(q_len, kv_len) // n <= block)
+    return next(fits, g)
+
+
+def ring_plan(call: AttentionCall, layout: Layout) -> RingPlan:
+    """The per-pair calls of ``call`` as a ring over ``layout.sequence``; raises if impossible.
+
+    ``layout.ring_block`` bounds the sub-chunk length of each backend call
+    (default :data:`RING_BLOCK`).
+    """
+    block = layout.ring_block or RING_BLOCK
+    axis = layout.sequence
+    assert axis is not None
+    p = layout.size(axis)
+    where = f"ring attention (sequence sharded over {axis!r})"
+    for feature, used in (("window", call.window is not None),
+                          ("mask", call.mask_shape is not None),
+                          ("bias", call.bias_shape is not None)):
+        if used:
+            raise UnsupportedError(
+                f"{where} does not support {feature}: it is a [Tq, Tk] structure the blocks "
+                "would have to split; use causal, segment_ids or kv_lengths, or do not shard "
+                "the sequence"
+            )
+    local = dataclasses.replace(_local(call, layout), q_lengths=False, return_lse=True)
+    if call.causal:
+        if call.q_len != call.kv_len:
+            raise UnsupportedError(
+                f"{where}: causal needs Tq == Tk (self-attention), got Tq={call.q_len}, "
+                f"Tk={call.kv_len}"
+            )
+        if call.q_len % (2 * p):
+            raise ValueError(
+                f"{where}: causal splits the sequence into 2 x {p} chunks (zigzag), so "
+                f"T={call.q_len} must be divisible by {2 * p}"
+            )
+        c = call.q_len // (2 * p)
+        n = _splits(c, c, block)
+        diag = dataclasses.replace(local, q_len=c // n, kv_len=c // n)
+        return RingPlan(axis, p, True, n, dataclasses.replace(diag, causal=False), diag)
+    for name, length in (("Tq", call.q_len), ("Tk", call.kv_len)):
+        if length % p:
+            raise ValueError(f"{where}: {name}={length} must be divisible by {p} devices")
+    tq, tk = call.q_len // p, call.kv_len // p
+    n = _splits(tq, tk, block)
+    full = dataclasses.replace(local, q_len=tq // n, kv_len=tk // n)
+    return RingPlan(axis, p, False, n, full)
+
+
+def ring_bytes_per_step(call: AttentionCall, layout: Layout) -> int:
+    """Bytes one device sends per forward ring step: its k and v block (+ kv ids)."""
+    local = _local(call, layout)
+    t = call.kv_len // layout.size(layout.sequence)
+    size = local.batch * t * local.kv_heads * (call.head_dim + call.v_head_dim)
+    ids = local.batch * t * 4 if call.segment_ids else 0
+    return size * _ITEMSIZE[call.dtype] + ids
+
+
+def _ring_reasons(backend: Backend) -> list[str]:
+    if not backend.capabilities.return_lse:
+        return ["ring: partial results are merged by their lse, and this backend does not "
+                "declare return_lse"]
+    return []
+
+
+def explain_ring(attention: Attention, call: AttentionCall, layout: Layout) -> Explanation:
+    """Verdicts of every backend on all the per-block calls of the ring, and the choice."""
+    plan = ring_plan(call, layout)
+    per_call = [attention.explain_call(c) for c in plan.calls]
+    registry = attention.registry
+    verdicts = []
+    chosen = None
+    for first in per_call[0].verdicts:
+        backend = registry.backend(first.backend)
+        reasons = _ring_reasons(backend)
+        probed = None
+        for explanation in per_call:
+            verdict = next(v for v in explanation.verdicts if v.backend == first.backend)
+            reasons += [r for r in verdict.reasons if r not in reasons]
+            probed = verdict.probed if probed is None else probed
+        accepted = not reasons
+        if accepted and chosen is None:
+            chosen = first.backend
+        verdicts.append(dataclasses.replace(first, accepted=accepted, reasons=tuple(reasons),
+                                            probed=probed))
+    order = "zigzag order (causal load balance)" if plan.zigzag else "contiguous order"
+    step = ring_bytes_per_step(call, layout)
+    calls = " and ".join(c.describe() for c in plan.calls)
+    text = (f"{layout.describe()}; {plan.size} steps, {order}; per sub-chunk pair the backend "
+            f"gets {calls}; ppermute {step} bytes per device per step")
+    return ShardedExplanation(call, per_call[0].platform, per_call[0].present,
+                              tuple(verdicts), chosen, plan=text)
+
+
+def _zigzag_perms(p: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Where each device's first and second contiguous chunk go in zigzag order."""
+    def home(chunk: int) -> int:
+        return chunk if chunk < p else 2 * p - 1 - chunk
+
+    return [(r, home(2 * r)) for r in range(p)], [(r, home(2 * r + 1)) for r in range(p)]
+
+
+def _to_zigzag(x: Any, axis: str, p: int, dim: int) -> Any:
+    """Contiguous chunks (2r, 2r+1) on device r -> zigzag chunks (r, 2P-1-r)."""
+    first, second = jnp.split(x, 2, axis=dim)
+    even_perm, odd_perm = _zigzag_perms(p)
+    a = jax.lax.ppermute(first, axis, even_perm)   # even chunks
+    b = jax.lax.ppermute(second, axis, odd_perm)   # odd chunks
+    # Device d holds chunk d first: even d gets it from the even chunks.
+    even = jax.lax.axis_index(axis) % 2 == 0
+    return jnp.concatenate([jnp.where(even, a, b), jnp.where(even, b, a)], axis=dim)
+
+
+def _from_zigzag(x: Any, axis: str, p: int, dim: int) -> Any:
+    """Inverse of :func:`_to_zigzag`."""
+    first, second = jnp.split(x, 2, axis=dim)
+    even_perm, odd_perm = _zigzag_perms(p)
+    even = jax.lax.axis_index(axis) % 2 == 0
+    a = jnp.where(even, first, second)
+    b = jnp.where(even, second, first)
+    a = jax.lax.ppermute(a, axis, [(d, s) for s, d in even_perm])
+    b = jax.lax.ppermute(b, axis, [(d, s) for s, d in odd_perm])
+    return jnp.concatenate([a, b], axis=dim)
+
+
+def _positions(plan: RingPlan) -> Any:
+    """Global sequence positions ``[Tq_local]`` of this device's query rows."""
+    r = jax.lax.axis_index(plan.axis)
+    c = plan.full.q_len * plan.splits
+    rows = jnp.arange(c)
+    if not plan.zigzag:
+        return r * c + rows
+    return jnp.concatenate([r * c + rows, (2 * plan.size - 1 - r) * c + rows])
+
+
+def _attend_with(backend: Backend, options: Any) -> Any:
+    def attend(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands) -> Any:
+        with jax.named_scope(f"attn/{backend.name}"):
+            return backend.attend(call, q, k, v, ops, options)
+
+    return attend
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_callable(backend: Backend, options: Any, call: AttentionCall, layout: Layout,
+                   names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> Any:
+    plan = ring_plan(call, layout)
+    ring = ring_fn(plan, _attend_with(backend, options))
+    axis, p = plan.axis, plan.size
+    fake = {n: jax.ShapeDtypeStruct(s, "int32") for n, s in zip(names, shapes, strict=True)}
+    specs = operand_specs(layout, call, fake)
+
+    def body(q: Any, k: Any, v: Any, ops: dict[str, Any]) -> Any:
+        ext = {n: ops[n] for n in ("q_segment_ids", "kv_segment_ids", "kv_lengths") if n in ops}
+        if plan.zigzag:
+            q, k, v = (_to_zigzag(x, axis, p, 1) for x in (q, k, v))
+            ext = {n: x if n == "kv_lengths" else _to_zigzag(x, axis, p, 1)
+                   for n, x in ext.items()}
+        out, lse = ring(q, k, v, ext)
+        if "q_lengths" in ops:
+            valid = _positions(plan)[None, :] < ops["q_lengths"][:, None]  # [B, Tq_local]
+            out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+            lse = jnp.where(valid[:, None, :], lse, -jnp.inf)
+        if plan.zigzag:
+            out, lse = _from_zigzag(out, axis, p, 1), _from_zigzag(lse, axis, p, 2)
+        return (out, lse) if call.return_lse else out
+
+    out_specs = (layout.qkv_spec, layout.lse_spec) if call.return_lse else layout.qkv_spec
+    spec = layout.qkv_spec
+    in_specs = (spec, spec, spec, specs)
+    mapped = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=False)
+    return jax.jit(lambda *args: mapped(*place_all(layout, in_specs, args)))
+
+
+def ring_attention_call(attention: Attention, call: AttentionCall, layout: Layout,
+                        q: Any, k: Any, v: Any, operands: Operands) -> Any:
+    """Run ``call`` as ring attention over ``layout.sequence`` (q, k, v global arrays)."""
+    from ._attention import _guard_gradients
+
+    ring_plan(call, layout)  # layout errors before selection warnings
+    backend = attention.backend_for(call, layout)
+    q, k, v, operands = _guard_gradients(backend, q, k, v, operands)
+    options = attention.backend_options.get(backend.name)
+    ops = present(operands)
+    key = (backend, options, call, layout, tuple(ops), tuple(tuple(x.shape) for x in ops.values()))
+    try:
+        fn = _ring_callable(*key)
+    except TypeError:  # unhashable backend options: build uncached
+        fn = _ring_callable.__wrapped__(*key)
+    with jax.named_scope("attn/ring"):
+        return fn(q, k, v, ops)
+

@@ -176,3 +176,29 @@ def test_plugin_that_patches_another_module_at_import_is_reported(site):
         assert "patcher" in backends  # reported, not hidden; strict mode would raise
     finally:
         jax.nn.dot_product_attention = original
+
+
+def test_two_in_process_plugins_claiming_one_name_conflict():
+    from _support import Plugin, make_backend
+
+    with pytest.raises(ab.PluginConflictError, match=r"backend name 'x' is registered by several plugins"):
+        ab.Registry(plugins=[Plugin(make_backend("x")), Plugin(make_backend("x"))], autoload=False).backends
+
+
+def test_backend_without_a_version_or_with_bad_priorities_is_skipped():
+    from _support import Plugin, make_backend
+
+    noversion, badprio = make_backend("noversion"), make_backend("badprio")
+    type(noversion).version = None
+    type(badprio).priority = {"cpu": "high"}
+    with pytest.warns(ab.PluginWarning) as record:
+        backends = ab.Registry(plugins=[Plugin(noversion, badprio)], autoload=False).backends
+    assert backends == {}
+    messages = " | ".join(str(r.message) for r in record)
+    assert "backend 'noversion' has no version string" in messages
+    assert "backend 'badprio': priority must map platform names to ints" in messages
+
+
+def test_empty_only_list_means_no_list(site, monkeypatch):
+    monkeypatch.setenv("ATTN_BACKENDS_ONLY", "")
+    assert "reference" in ab.Registry().backends

@@ -117,9 +117,25 @@ def test_probe_over_its_time_budget_quarantines():
 
     reg = _prober_registry(runner, make_backend("slowpoke", priority=9), budget_s=0.2)
     q, k, v = qkv()
+    start = time.perf_counter()
     exp = reg.get(device="cpu").explain(q, k, v)
+    assert time.perf_counter() - start < 1.5  # the caller does not wait for the probe
     assert exp.chosen == "reference"
     assert exp.verdicts[0].reasons == ("probe did not finish within the 0.2 s budget (ATTN_BACKENDS_PROBE_BUDGET_S)",)
+
+
+def test_timeouts_stay_in_memory_and_the_probe_thread_never_blocks_exit(isolated_cache):
+    import threading
+
+    release = threading.Event()
+    reg = _prober_registry(lambda *a: release.wait(30) and [], make_backend("slowpoke", priority=9),
+                           budget_s=0.1)
+    q, k, v = qkv()
+    assert reg.get(device="cpu").explain(q, k, v).chosen == "reference"
+    assert not (isolated_cache / "probes").exists() or not list((isolated_cache / "probes").glob("*.json"))
+    probe_threads = [t for t in threading.enumerate() if t.name == "attn-probe-slowpoke"]
+    assert probe_threads and all(t.daemon for t in probe_threads)
+    release.set()
 
 
 def test_matching_certificate_counts_as_a_passed_probe():
@@ -218,3 +234,27 @@ def test_probe_runs_in_the_callers_context():
         assert reg.get(device="cpu").explain(q, k, v).chosen == "contextual"
     finally:
         switch.reset(token)
+
+
+def test_real_probe_compares_forward_only_for_a_non_differentiable_backend():
+    from attn_backend_reference import ReferenceBackend
+
+    frozen = make_backend("frozen", priority=9, differentiable=False)
+    verdict = _probe.run_probe(frozen, ReferenceBackend(), ab.bind(*qkv(), causal=True)[0], "cpu")
+    assert verdict == []
+
+
+def test_probe_retries_longer_shapes_when_check_rejects_the_short_one():
+    from attn_backend_reference import ReferenceBackend
+
+    picky = make_backend("picky", check=lambda call: [] if call.q_len >= 128 else ["Tq < 128"])
+    q, k, v = qkv(tq=300, tk=300)
+    assert _probe.run_probe(picky, ReferenceBackend(), ab.bind(q, k, v)[0], "cpu") == []
+    never = make_backend("never", check=lambda call: [] if call.q_len >= 1000 else ["Tq < 1000"])
+    assert _probe.run_probe(never, ReferenceBackend(), ab.bind(q, k, v)[0], "cpu") is None
+
+
+def test_reference_and_unprobed_backends_are_not_reported_as_probed():
+    reg = _prober_registry(lambda *a: None, make_backend("unprobeable", priority=9))
+    exp = reg.get(device="cpu").explain(*qkv())
+    assert {v.backend: v.probed for v in exp.verdicts} == {"unprobeable": False, "reference": False}

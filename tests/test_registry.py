@@ -186,3 +186,30 @@ def test_explain_is_structured_and_printable(fake_registry):
     assert data["verdicts"][0]["reasons"] == ["feature 'window' not supported"]
     text = str(exp)
     assert "fast" in text and "rejected" in text and "CHOSEN" in text
+
+
+def test_attention_made_before_a_reload_sees_the_new_backends(fake_registry):
+    from _support import Plugin
+
+    reg = fake_registry(make_backend("old", priority=1))
+    att = reg.get(device="cpu")
+    q, k, v = qkv()
+    assert att.backend_for(ab.bind(q, k, v)[0]).name == "old"
+    reg.register(Plugin(make_backend("new", priority=9)))
+    assert att.backend_for(ab.bind(q, k, v)[0]).name == "new"
+
+
+def test_prefer_takes_a_name_and_warns_about_names_not_installed(fake_registry):
+    reg = fake_registry(make_backend("a", priority=9), make_backend("b", priority=1))
+    q, k, v = qkv()
+    assert reg.get(device="cpu", prefer="b").explain(q, k, v).chosen == "b"
+    with pytest.warns(ab.AttnBackendsWarning, match=r"'refrence' not installed \(installed: a, b\); ignored"):
+        reg.get(device="cpu", prefer=["refrence", "b"])
+
+
+def test_fallback_warning_points_at_the_callers_line(fake_registry):
+    reg = fake_registry(make_backend("fast", priority=9, softcap=False), make_backend("slow", priority=1))
+    q, k, v = qkv()
+    with pytest.warns(ab.FallbackWarning) as record:
+        reg.get(device="cpu")(q, k, v, softcap=5.0)
+    assert record[0].filename == __file__

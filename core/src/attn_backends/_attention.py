@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import warnings
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +10,7 @@ import jax
 
 from ._backend import Backend
 from ._contract import AttentionCall, Operands, bind
-from ._errors import FallbackWarning, NoBackendError, PlatformUnavailableError, UnsupportedError
+from ._errors import FallbackWarning, NoBackendError, PlatformUnavailableError, warn, UnsupportedError
 from ._guards import empty_result, no_gradient
 from ._platform import visible_platforms
 from ._select import Explanation, select
@@ -57,7 +57,12 @@ class Attention:
         self.fallback = fallback
         self.backend_options = backend_options
         self.sharding = sharding
-        self._selections: OrderedDict[tuple[AttentionCall, Layout | None], Backend] = OrderedDict()
+        # Keyed by the registry's generation too, so a reload or register()
+        # is seen by Attention objects made before it.
+        self._selections: OrderedDict[tuple[int, AttentionCall, Layout | None], Backend] = (
+            OrderedDict()
+        )
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         pinned = f" backend={self.backend_name!r}" if self.backend_name else ""
@@ -90,18 +95,20 @@ class Attention:
 
     def backend_for(self, call: AttentionCall, layout: Layout | None = None) -> Backend:
         """The backend serving ``call`` (laid out as ``layout``), selecting on first sight."""
-        key = (call, layout)
-        cached = self._selections.get(key)
-        if cached is not None:
-            self._selections.move_to_end(key)
-            return cached
+        key = (self.registry.generation, call, layout)
+        with self._lock:
+            cached = self._selections.get(key)
+            if cached is not None:
+                self._selections.move_to_end(key)
+                return cached
         explanation = (
             self.explain_call(call) if layout is None else explain_sharded(self, call, layout)
         )
         chosen = self._choose(call, explanation)
-        self._selections[key] = chosen
-        if len(self._selections) > SELECTION_CACHE_SIZE:
-            self._selections.popitem(last=False)
+        with self._lock:
+            self._selections[key] = chosen
+            while len(self._selections) > SELECTION_CACHE_SIZE:
+                self._selections.popitem(last=False)
         return chosen
 
     def _choose(self, call: AttentionCall, explanation: Explanation) -> Backend:
@@ -124,7 +131,7 @@ class Attention:
             )
             if self.fallback == "error":
                 raise UnsupportedError(message + " (fallback='error')")
-            warnings.warn(message, FallbackWarning, stacklevel=4)
+            warn(message, FallbackWarning)
         return self.registry.backend(explanation.chosen)
 
     def __call__(

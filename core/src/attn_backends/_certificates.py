@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 from ._environment import cache_dir, device_kind, versions
-from ._errors import AttnBackendsWarning
+from ._errors import AttnBackendsWarning, warn
 
 KEY_FIELDS = ("backend", "backend_version", "jax", "jaxlib", "libtpu", "platform", "device_kind")
 
@@ -42,10 +41,9 @@ def store(certificate: dict[str, Any]) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(certificate, indent=2, sort_keys=True))
     except OSError as exc:
-        warnings.warn(
+        warn(
             f"could not store the certificate for {key['backend']!r} in {path.parent}: {exc}",
             AttnBackendsWarning,
-            stacklevel=2,
         )
         return None
     return path

@@ -174,6 +174,11 @@ def _check_qkv(q: Any, k: Any, v: Any) -> None:
         raise ValueError(
             f"k: expected head dim D={d} (from q), got {dk}; q and k must share D.{layout_hint}"
         )
+    if d == 0 or hq == 0:
+        raise ValueError(
+            f"q: expected at least one head and a head dim >= 1, got Hq={hq}, D={d} "
+            f"(shape {[bq, tq, hq, d]})"
+        )
     if hk == 0 or hq % hk:
         raise ValueError(
             f"heads: expected q heads Hq={hq} to be a multiple of kv heads Hkv={hk} "
@@ -281,7 +286,11 @@ def bind(
     tk, hkv, dv = _shape(v)[1:]
     for flag_name, flag in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(flag, (bool, np.bool_)):
-            raise ValueError(f"{flag_name}: expected a Python bool, got {flag!r}")
+            raise ValueError(
+                f"{flag_name}: expected a Python bool (it selects the compiled program), "
+                f"got {type(flag).__name__}. Under jit, mark it static "
+                "(static_argnames) or close over it."
+            )
     q_ids = kv_ids = None
     if segment_ids is not None:
         if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import os
 import types
-import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -22,7 +21,7 @@ import pluggy
 from ._backend import Backend
 from ._capabilities import Capabilities
 from ._contract import SUPPORTED_API_VERSIONS
-from ._errors import PluginConflictError, PluginError, PluginWarning
+from ._errors import PluginConflictError, PluginError, PluginWarning, warn
 from ._hookspec import ENTRY_POINT_GROUP, PROJECT, HookSpecs
 from ._versions import in_range
 
@@ -76,8 +75,8 @@ class Settings:
     def from_env(cls, **overrides: Any) -> Settings:
         def names(var: str) -> frozenset[str] | None:
             raw = os.environ.get(var)
-            if raw is None:
-                return None
+            if raw is None or not raw.strip():
+                return None  # unset or empty: no list
             return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
         env = {
@@ -162,7 +161,7 @@ class Loader:
         if self.settings.strict:
             raise PluginError(f"{problem} (strict mode: ATTN_BACKENDS_STRICT)")
         self.result.problems.append(problem)
-        warnings.warn(str(problem), PluginWarning, stacklevel=4)
+        warn(str(problem), PluginWarning)
 
     def load_entry_points(self) -> None:
         for ep in _entry_points():
@@ -231,25 +230,36 @@ class Loader:
             )
         if not isinstance(getattr(item, "capabilities", None), Capabilities):
             return f"backend {name!r} has no Capabilities manifest"
+        if not isinstance(getattr(item, "version", None), str):
+            return f"backend {name!r} has no version string (set the class attribute version)"
+        priority = getattr(item, "priority", None)
+        if not isinstance(priority, Mapping) or not all(
+            isinstance(p, int) and not isinstance(p, bool) for p in priority.values()
+        ):
+            return f"backend {name!r}: priority must map platform names to ints, got {priority!r}"
         spec = item.capabilities.jax_versions
         if spec and not in_range(self.jax_version, spec):
             # Registered (explain shows it rejected), but say so at load time.
-            warnings.warn(
+            warn(
                 f"backend {name!r} supports jax {spec}, but jax {self.jax_version} is "
                 "installed: it will not be selected",
                 PluginWarning,
-                stacklevel=5,
             )
         return None
 
     def finish(self) -> Discovered:
         for name, claims in sorted(self._claims.items()):
-            distributions = sorted({origin.distribution for origin, _ in claims})
-            if len(distributions) > 1:
+            origins = sorted({origin for origin, _ in claims}, key=lambda o: (o.distribution, o.plugin))
+            if len(claims) > 1:
+                distributions = sorted({o.distribution for o in origins})
+                who = (
+                    f"several distributions: {', '.join(distributions)}"
+                    if len(distributions) > 1
+                    else "several plugins: " + ", ".join(o.describe() for o in origins)
+                )
                 raise PluginConflictError(
-                    f"backend name {name!r} is registered by several distributions: "
-                    f"{', '.join(distributions)}. Uninstall one, or disable one with "
-                    "ATTN_BACKENDS_DISABLE / ATTN_BACKENDS_ONLY."
+                    f"backend name {name!r} is registered by {who}. Uninstall one, or "
+                    "disable one with ATTN_BACKENDS_DISABLE / ATTN_BACKENDS_ONLY."
                 )
             origin, backend = claims[0]
             self.result.backends[name] = backend

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class AttnBackendsError(Exception):
@@ -58,3 +63,11 @@ class PluginWarning(AttnBackendsWarning):
 
 class FallbackWarning(AttnBackendsWarning):
     """A higher-priority backend was passed over for a call; says which and why."""
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first caller outside this package."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,7 +29,7 @@ from . import _certificates, _probe_call
 from ._backend import Backend
 from ._contract import AttentionCall
 from ._environment import cache_dir, device_kind, versions
-from ._errors import AttnBackendsWarning
+from ._errors import AttnBackendsWarning, warn
 
 logger = logging.getLogger("attn_backends")
 
@@ -47,7 +46,7 @@ MEMORY_CACHE_SIZE = 1024
 
 @dataclass(frozen=True)
 class ProbeVerdict:
-    """A probe's outcome. ``source``: "run", "disk", "certificate" or "unprobed"."""
+    """A probe's outcome. ``source``: "run", "disk", "certificate", "timeout" or "unprobed"."""
 
     passed: bool
     reasons: tuple[str, ...]
@@ -88,31 +87,39 @@ def run_probe(
 ) -> list[str] | None:
     """Compare ``backend`` with ``reference`` on a shrunken ``call``.
 
+    Forward, and the gradient w.r.t. q when the backend is differentiable.
     Returns the reasons they differ (empty: they agree), or None when the
-    backend's ``check`` rejects the small probe shape (nothing to compare).
+    backend's ``check`` rejects every probe shape (nothing to compare).
     """
     import jax
 
-    small = _probe_call.shrink(call)
-    if backend.check(small):
+    small = next(
+        (c for c in (_probe_call.shrink(call, n) for n in _probe_call.PROBE_LENGTHS)
+         if not backend.check(c)),
+        None,
+    )
+    if small is None:
         return None
     q, k, v, ops, d_out = _probe_call.arrays(small)
+    with_grad = backend.capabilities.differentiable
 
-    def forward_and_dq(impl: Backend) -> tuple[Any, Any]:
+    def outputs(impl: Backend) -> tuple[Any, ...]:
         def f(q: Any) -> Any:
             result = impl.attend(small, q, k, v, ops)
             return result[0] if small.return_lse else result
 
+        if not with_grad:
+            return (f(q),)
         out, vjp = jax.vjp(f, q)
         return out, vjp(d_out)[0]
 
     with jax.default_device(jax.devices(platform)[0]):
-        got_out, got_dq = jax.jit(lambda: forward_and_dq(backend))()
-        want_out, want_dq = jax.jit(lambda: forward_and_dq(reference))()
+        got = jax.jit(lambda: outputs(backend))()
+        want = jax.jit(lambda: outputs(reference))()
     tol = TOLERANCE[call.dtype]
     reasons = []
-    for what, got, want in (("output", got_out, want_out), ("dq", got_dq, want_dq)):
-        err = _relative_error(got, want)
+    for what, g, w in zip(("output", "dq"), got, want):
+        err = _relative_error(g, w)
         if not err <= tol:
             reasons.append(
                 f"probe: {what} differs from the reference by {err:.3g} (relative; "
@@ -143,8 +150,9 @@ class Prober:
         self._lock = threading.Lock()
         self._warned_disk = False
 
-    def __call__(self, backend: Backend, call: AttentionCall, platform: str) -> list[str]:
-        return list(self.verdict(backend, call, platform).reasons)
+    def __call__(self, backend: Backend, call: AttentionCall, platform: str) -> list[str] | None:
+        verdict = self.verdict(backend, call, platform)
+        return None if verdict.source == "unprobed" else list(verdict.reasons)
 
     def verdict(self, backend: Backend, call: AttentionCall, platform: str) -> ProbeVerdict:
         """The cached verdict for this key, probing first if there is none."""
@@ -160,6 +168,8 @@ class Prober:
         verdict = self._from_certificate(backend, platform) or self._read(digest, key)
         if verdict is None:
             verdict = self._run(backend, call, platform)
+            if verdict.source == "unprobed":
+                return verdict  # nothing learnt: try again for the next signature
             if verdict.source == "run":
                 self._write(digest, key, verdict)
         with self._lock:
@@ -182,30 +192,46 @@ class Prober:
         # concrete arrays instead of joining the caller's program, and bounds
         # its time. It runs in a copy of the caller's context, so context-local
         # switches (e.g. flash_pallas' interpret_mode()) hold there too.
-        import concurrent.futures  # only when a probe actually runs
         import contextvars
+        import queue
 
         context = contextvars.copy_context()
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="attn-probe")
-        future = pool.submit(context.run, self._runner, backend, reference, call, platform)
-        pool.shutdown(wait=False)
+        done: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+
+        def work() -> None:
+            try:
+                done.put(("ok", context.run(self._runner, backend, reference, call, platform)))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller below
+                done.put(("raised", exc))
+
+        # A daemon thread: a probe that never finishes must not keep the
+        # process alive after the caller has moved on.
+        threading.Thread(target=work, name=f"attn-probe-{backend.name}", daemon=True).start()
+        source = "run"
         try:
-            outcome = future.result(timeout=self.budget_s)
-        except concurrent.futures.TimeoutError:
+            status, value = done.get(timeout=self.budget_s)
+        except queue.Empty:
+            status, value = "timeout", None
+        if status == "ok":
+            outcome = value
+        elif status == "raised":
+            first_line = (str(value).strip().splitlines() or [""])[0][:300]
+            outcome = [f"probe raised {type(value).__name__}: {first_line}"]
+        else:
+            # Kept in memory only: a slow first compile on a busy machine must
+            # not quarantine the backend on disk for good.
+            source = "timeout"
             outcome = [
                 f"probe did not finish within the {self.budget_s:g} s budget "
                 "(ATTN_BACKENDS_PROBE_BUDGET_S)"
             ]
-        except Exception as exc:  # noqa: BLE001 - a failing probe quarantines, never crashes
-            first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-            outcome = [f"probe raised {type(exc).__name__}: {first_line}"]
         seconds = time.perf_counter() - start
         if outcome is None:
             return ProbeVerdict(True, (), seconds, "unprobed")
         reasons = list(outcome)
         if reasons:
             logger.warning("backend %r quarantined for %s: %s", backend.name, call.describe(), reasons)
-        return ProbeVerdict(not reasons, tuple(reasons), seconds, "run")
+        return ProbeVerdict(not reasons, tuple(reasons), seconds, source)
 
     def _from_certificate(self, backend: Backend, platform: str) -> ProbeVerdict | None:
         cert = _certificates.find(backend.name, backend.version, platform)
@@ -219,7 +245,7 @@ class Prober:
     def _disk_warning(self, message: str) -> None:
         if not self._warned_disk:
             self._warned_disk = True
-            warnings.warn(message, AttnBackendsWarning, stacklevel=6)
+            warn(message, AttnBackendsWarning)
 
     def _read(self, digest: str, key: dict[str, Any]) -> ProbeVerdict | None:
         path = self._path(digest)
@@ -242,7 +268,7 @@ class Prober:
         record = {"key": key, **asdict(verdict)}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
             tmp.write_text(json.dumps(record, indent=2))
             tmp.replace(path)
         except OSError as exc:

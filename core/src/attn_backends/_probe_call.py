@@ -14,26 +14,27 @@ from ._contract import AttentionCall, Operands
 PROBE_MAX_LEN = 64
 
 
-def shrink(call: AttentionCall) -> AttentionCall:
-    """``call`` with B <= 2, one kv head (same GQA group), Tq and Tk <= PROBE_MAX_LEN."""
+#: Longer probe lengths tried, in order, when a backend's check() rejects a
+#: shorter one (kernels with block-size minimums).
+PROBE_LENGTHS = (PROBE_MAX_LEN, 256)
+
+
+def shrink(call: AttentionCall, max_len: int = PROBE_MAX_LEN) -> AttentionCall:
+    """``call`` with B <= 2, one kv head (same GQA group), Tq and Tk <= ``max_len``."""
+    tq, tk = min(call.q_len, max_len), min(call.kv_len, max_len)
+
+    def pairwise(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        return (1 if shape[0] == 1 else min(call.batch, 2), 1 if shape[1] == 1 else call.group, tq, tk)
+
     return dataclasses.replace(
         call,
         batch=min(call.batch, 2),
-        q_len=min(call.q_len, PROBE_MAX_LEN),
-        kv_len=min(call.kv_len, PROBE_MAX_LEN),
+        q_len=tq,
+        kv_len=tk,
         q_heads=call.group,
         kv_heads=1,
-        mask_shape=None if call.mask_shape is None else _pairwise(call, call.mask_shape),
-        bias_shape=None if call.bias_shape is None else _pairwise(call, call.bias_shape),
-    )
-
-
-def _pairwise(call: AttentionCall, shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    return (
-        1 if shape[0] == 1 else min(call.batch, 2),
-        1 if shape[1] == 1 else call.group,
-        min(call.q_len, PROBE_MAX_LEN),
-        min(call.kv_len, PROBE_MAX_LEN),
+        mask_shape=None if call.mask_shape is None else pairwise(call.mask_shape),
+        bias_shape=None if call.bias_shape is None else pairwise(call.bias_shape),
     )
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._backend import Backend
 from ._discovery import Discovered, LoadProblem, Origin, Settings, discover
-from ._errors import UnknownBackendError
+from ._errors import AttnBackendsWarning, UnknownBackendError, warn
 from ._select import Explanation, Probe
 
 if TYPE_CHECKING:
@@ -57,7 +57,11 @@ class Registry:
             probe = Prober(lambda: self.backends.get(REFERENCE))
         self.probe: Probe | None = probe  # type: ignore[assignment]
         self._discovered: Discovered | None = None
-        self._lock = threading.Lock()
+        # Re-entrant: a plugin that reads the registry while it is imported
+        # must not deadlock discovery.
+        self._lock = threading.RLock()
+        #: Bumped on every reload, so Attention objects drop older selections.
+        self.generation = 0
 
     def _load(self) -> Discovered:
         with self._lock:
@@ -70,6 +74,7 @@ class Registry:
         """Forget discovery results; the next use discovers again."""
         with self._lock:
             self._discovered = None
+            self.generation += 1
 
     def register(self, plugin: object) -> None:
         """Add an in-process plugin object and rediscover."""
@@ -106,7 +111,7 @@ class Registry:
         self,
         device: Any = None,
         backend: str | None = None,
-        prefer: Sequence[str] | None = None,
+        prefer: str | Sequence[str] | None = None,
         fallback: str = "warn",
         backend_options: Mapping[str, Any] | None = None,
         *,
@@ -137,6 +142,17 @@ class Registry:
             raise ValueError(f"fallback: expected one of {FALLBACK_MODES}, got {fallback!r}")
         if backend is not None:
             self.backend(backend)
+        if isinstance(prefer, str):
+            prefer = (prefer,)
+        unknown = sorted(set(prefer or ()) - set(self.backends))
+        if unknown:
+            # Not an error: model code may prefer a backend installed only on
+            # some machines. But a typo must not pass unnoticed.
+            warn(
+                f"prefer={list(prefer or ())}: {', '.join(map(repr, unknown))} not installed "
+                f"(installed: {', '.join(sorted(self.backends)) or 'none'}); ignored",
+                AttnBackendsWarning,
+            )
         platform, present = resolve(device)
         return Attention(
             self,

@@ -10,9 +10,10 @@ from ._backend import Backend
 from ._contract import AttentionCall
 from ._versions import in_range
 
-#: ``probe(backend, call, platform) -> reasons`` (empty: passed). The probing
-#: issue plugs its cached compile-and-compare runner in here.
-Probe = Callable[[Backend, AttentionCall, str], list[str]]
+#: ``probe(backend, call, platform) -> reasons`` (empty: passed; None: it could
+#: not probe, e.g. no reference to compare with). The registry's default is
+#: :class:`attn_backends._probe.Prober`.
+Probe = Callable[[Backend, AttentionCall, str], "list[str] | None"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class Verdict:
     accepted: bool
     reasons: tuple[str, ...]
     probed: bool | None = None
+    #: False when the manifest excludes the platform: such a backend is not
+    #: "passed over" (no fallback warning for a TPU kernel on a CPU).
+    platform_ok: bool = True
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class Explanation:
         for verdict in self.verdicts:
             if verdict.backend == self.chosen:
                 break
-            if not any(r.startswith("platform ") for r in verdict.reasons):
+            if verdict.platform_ok:
                 out.append(verdict)
         return tuple(out)
 
@@ -120,8 +124,9 @@ def select(
         reasons = _reasons(backend, call, platform, jax_version)
         probed = None
         if not reasons and probe is not None and present:
-            reasons = list(probe(backend, call, platform))
-            probed = True
+            outcome = probe(backend, call, platform)
+            probed = outcome is not None
+            reasons = list(outcome or ())
         accepted = not reasons
         if accepted and chosen is None:
             chosen = backend.name
@@ -134,6 +139,7 @@ def select(
                 accepted=accepted,
                 reasons=tuple(reasons),
                 probed=probed,
+                platform_ok=platform in backend.capabilities.platforms,
             )
         )
     return Explanation(call, platform, present, tuple(verdicts), chosen)

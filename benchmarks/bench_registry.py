@@ -1,0 +1,143 @@
+"""Cost of the registry machinery (issue: probing and selection).
+
+Measures, on the local CPU:
+1. ``import attn_backends`` plus discovery of the installed plugins, beyond
+   ``import jax``, in fresh processes; and that no kernel module was imported;
+2. a warm ``registry.get(device="cpu")``;
+3. selection for a new call signature when the probe verdict is cached;
+4. per-step cost under ``jax.jit``: a jitted step through the registry versus
+   the same backend's ``attend`` jitted directly (same program, so ~1.00).
+
+Usage: .venv/bin/python benchmarks/bench_registry.py [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+
+IMPORT_SNIPPET = r"""
+import json, sys, time
+import jax
+t0 = time.perf_counter()
+import attn_backends
+backends = attn_backends.registry.backends
+t1 = time.perf_counter()
+plugin_modules = sorted(m for m in sys.modules if m.startswith("attn_backend_") and "." in m)
+print(json.dumps({"seconds": t1 - t0, "backends": sorted(backends), "plugin_modules": plugin_modules}))
+"""
+
+
+def import_and_discovery(repeat: int) -> dict:
+    runs = []
+    for _ in range(repeat):
+        out = subprocess.run(
+            [sys.executable, "-c", IMPORT_SNIPPET], check=True, capture_output=True, text=True
+        ).stdout
+        runs.append(json.loads(out))
+    times = [r["seconds"] for r in runs]
+    return {
+        "median_ms": 1e3 * statistics.median(times),
+        "min_ms": 1e3 * min(times),
+        "backends": runs[0]["backends"],
+        "plugin_modules_imported": runs[0]["plugin_modules"],
+    }
+
+
+def warm_get(number: int = 20000) -> float:
+    import attn_backends
+
+    attn_backends.registry.get(device="cpu")
+    return (
+        1e6
+        * min(
+            timeit.repeat(lambda: attn_backends.registry.get(device="cpu"), number=number, repeat=5)
+        )
+        / number
+    )
+
+
+def new_signature_selection(count: int = 200) -> dict:
+    import attn_backends
+    import jax
+    import jax.numpy as jnp
+    from attn_backends import bind
+
+    att = attn_backends.registry.get(device="cpu")
+    sds = jax.ShapeDtypeStruct
+    kv = sds((1, 512, 2, 64), jnp.float32)
+    # Warm the probe verdict: every call below has the same probe key
+    # (dtype, features, head dims) and only a new sequence length.
+    att.backend_for(bind(sds((1, 1, 8, 64), jnp.float32), kv, kv, causal=True)[0])
+    calls = [
+        bind(sds((1, t, 8, 64), jnp.float32), kv, kv, causal=True)[0] for t in range(2, 2 + count)
+    ]
+    start = time.perf_counter()
+    chosen = {att.backend_for(call).name for call in calls}
+    per_call = (time.perf_counter() - start) / count
+    return {"ms_per_new_signature": 1e3 * per_call, "chosen": sorted(chosen)}
+
+
+def jit_step_overhead(steps: int = 50) -> dict:
+    import attn_backends
+    import jax
+    from attn_backends import bind
+
+    att = attn_backends.registry.get(device="cpu")
+    q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 64))
+    kv = jax.random.normal(jax.random.key(1), (1, 1024, 2, 64))
+    call, ops = bind(q, kv, kv, causal=True)
+    backend = att.backend_for(call)
+    via_registry = jax.jit(lambda q, k, v: att(q, k, v, causal=True))
+    direct = jax.jit(lambda q, k, v: backend.attend(call, q, k, v, ops))
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = fn(q, kv, kv)
+        out.block_until_ready()
+        return (time.perf_counter() - start) / steps
+
+    via_registry(q, kv, kv).block_until_ready()
+    direct(q, kv, kv).block_until_ready()
+    # Interleaved rounds, best of each, so background load hits both alike.
+    rounds = [(timed(via_registry), timed(direct)) for _ in range(7)]
+    t_reg, t_direct = min(r for r, _ in rounds), min(d for _, d in rounds)
+    same_program = via_registry.lower(q, kv, kv).as_text() == direct.lower(q, kv, kv).as_text()
+    return {
+        "backend": backend.name,
+        "registry_ms": 1e3 * t_reg,
+        "direct_ms": 1e3 * t_direct,
+        "ratio": t_reg / t_direct,
+        "same_program": same_program,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--repeat", type=int, default=7, help="fresh processes for the import timing"
+    )
+    args = parser.parse_args()
+    import os
+
+    os.environ.setdefault("ATTN_BACKENDS_CACHE_DIR", tempfile.mkdtemp(prefix="attn-bench-"))
+    results = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "import_and_discovery": import_and_discovery(args.repeat),
+        "warm_get_us": warm_get(),
+        "new_signature": new_signature_selection(),
+        "jit_step": jit_step_overhead(),
+    }
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,14 +1,33 @@
 # The two commands of the README: `make demo` and `make test`.
 # Both create .venv and install every distribution of the repo in editable mode.
+# `make test` also builds a second environment (Python 3.12, the newest jax
+# there) and runs the flash_pallas tests in it: the Pallas adapter is checked
+# on both jax lines it claims.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Every distribution in the repo: core, each plugin folder, the conformance suite.
-PACKAGES := core $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml)) contracts
+PACKAGES := core $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml)) contracts \
+	examples/dense_jax_backend
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test clean
+# The newer jax line: needs Python 3.12 (pyenv provides it on these machines).
+PYTHON_NEXT ?= env PYENV_VERSION=3.12.1 python3.12
+JAX_NEXT ?= jax>=0.12,<0.13
+VENV_NEXT := .venv-jax-next
+PY_NEXT := $(VENV_NEXT)/bin/python
+PACKAGES_NEXT := core plugins/reference plugins/flash_pallas contracts
+STAMP_NEXT := $(VENV_NEXT)/.installed
+
+# Conformance certificates written by `make test`, and a repo-local cache so
+# test runs never read or write the user's ~/.cache.
+CERTS := .certificates
+test-main test-jax-next: export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
+CHECK = $(VENV)/bin/attn-backends check
+CHECK_NEXT = $(VENV_NEXT)/bin/attn-backends check
+
+.PHONY: install install-next demo test test-main test-jax-next clean
 
 $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,15 +36,38 @@ $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
 	$(PY) -m pip install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $@
 
+$(STAMP_NEXT): $(addsuffix /pyproject.toml,$(PACKAGES_NEXT)) requirements-dev.txt
+	$(PYTHON_NEXT) -m venv $(VENV_NEXT)
+	$(PY_NEXT) -m pip install -q --upgrade pip "setuptools>=77" wheel
+	$(PY_NEXT) -m pip install -q -r requirements-dev.txt "$(JAX_NEXT)"
+	$(PY_NEXT) -m pip install -q --no-build-isolation $(addprefix -e ,$(PACKAGES_NEXT))
+	touch $@
+
 install: $(STAMP)
+
+install-next: $(STAMP_NEXT)
 
 demo: install
 	$(VENV)/bin/attn-backends list
 	$(VENV)/bin/attn-backends explain --device cpu --q 2,256,8,64 --kv 2,256,2,64 --causal
 	$(PY) examples/demo.py
 
-test: install
+test: test-main test-jax-next
+
+test-main: install
 	$(PY) -m pytest
+	$(PY) -m pytest tests/multidevice
+	mkdir -p $(CERTS)
+	$(CHECK) reference --json $(CERTS)/reference.json
+	$(CHECK) xla_native --json $(CERTS)/xla_native.json
+	$(CHECK) example_dense --json $(CERTS)/example_dense.json
+	ATTN_BACKENDS_PALLAS_INTERPRET=1 $(CHECK) flash_pallas --json $(CERTS)/flash_pallas.json
+
+test-jax-next: install-next
+	$(PY_NEXT) -c "import jax; print('jax', jax.__version__, 'on Python 3.12')"
+	$(PY_NEXT) -m pytest plugins/flash_pallas
+	mkdir -p $(CERTS)
+	ATTN_BACKENDS_PALLAS_INTERPRET=1 $(CHECK_NEXT) flash_pallas --json $(CERTS)/flash_pallas-jax-next.json
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_NEXT) $(CERTS) .attn-cache

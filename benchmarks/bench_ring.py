@@ -4,7 +4,7 @@ Run from the repo root (compiles only, never runs a kernel):
 
     .venv/bin/python benchmarks/bench_ring.py                 # S = 32k and 128k
     .venv/bin/python benchmarks/bench_ring.py --sizes 8192 --devices 4
-    .venv/bin/python benchmarks/bench_ring.py --markdown benchmarks/RING_RESULTS.md
+    .venv/bin/python benchmarks/bench_ring.py [--markdown FILE]
 
 B=1, H=8, D=64, float32, causal. Ring: the registry's attention with the
 sequence sharded over a mesh axis of --devices virtual cpu devices

@@ -1,0 +1,111 @@
+"""Backward pass (FlashAttention-2 style): recompute each tile's
+probabilities from the saved lse instead of storing the S x S matrix.
+
+The outer loop runs over key blocks and keeps that block's dK, dV in the
+loop carry; the inner loop visits only the query blocks that can see it
+and adds into a carried, transposed dQ (float32, linear in the sequence).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from ._plan import Masks, Plan, visibility
+from ._ranges import has_positional_mask, q_blocks_for, visit
+from ._tile import dot_nn, logits_t
+
+Array = Any
+
+
+def _bias_tile_grad(plan: Plan, ds: Array, bias_shape: tuple[int, ...]) -> Array:
+    """Sum a ``[B, Hkv, rows, block_kv]`` tile gradient to the bias's
+    broadcast layout ``[B|1, Hkv|1, G|1, block_q, block_kv]``."""
+    ds = ds.reshape(ds.shape[0], ds.shape[1], plan.group, plan.block_q, plan.block_kv)
+    axes = tuple(i for i in range(3) if bias_shape[i] == 1 and ds.shape[i] != 1)
+    return ds.sum(axis=axes, keepdims=True) if axes else ds
+
+
+def xla_native_backward(
+    plan: Plan,
+    q: Array,
+    k_t: Array,
+    v: Array,
+    bias: Array | None,
+    masks: Masks,
+    d_out: Array,
+    lse: Array,
+    delta: Array,
+    bias_grad: bool,
+) -> tuple[Array, Array, Array, Array | None]:
+    """Gradients of the blocked forward.
+
+    Blocked layouts as in :func:`xla_native_forward` (K transposed); ``d_out``
+    like its out, ``lse``
+    and ``delta`` (``rowsum(d_out * out) - d_lse``) ``[n_q, B, Hkv, rows]``
+    float32, with lse ``+inf`` on rows whose gradient must be zero (no
+    visible key, padding). Returns dq, dk, dv (float32, blocked) and the
+    padded bias gradient (float32) or None.
+    """
+    dtype = q.dtype
+    # The pass works on transposed tiles [block_kv, rows] so that all five
+    # matmuls are NN; dQ is accumulated transposed, [n_q, B, Hkv, D, rows].
+    q_t = q.swapaxes(-1, -2)
+    d_out_t = d_out.swapaxes(-1, -2)
+
+    def one_key_block(carry: tuple, args: tuple) -> tuple:
+        kj, k_t_tile, v_tile = args
+        k_tile = k_t_tile.swapaxes(-1, -2)
+
+        def body(qi: Array, inner: tuple, positional: bool) -> tuple:
+            dk, dv, dq_t, dbias = inner
+            q_tile = lax.dynamic_index_in_dim(q, qi, keepdims=False)
+            q_t_tile = lax.dynamic_index_in_dim(q_t, qi, keepdims=False)
+            do_tile = lax.dynamic_index_in_dim(d_out, qi, keepdims=False)
+            do_t_tile = lax.dynamic_index_in_dim(d_out_t, qi, keepdims=False)
+            lse_tile = lax.dynamic_index_in_dim(lse, qi, keepdims=False)[..., None, :]
+            delta_tile = lax.dynamic_index_in_dim(delta, qi, keepdims=False)[..., None, :]
+            s_t, capped_t = logits_t(plan, k_tile, q_t_tile, bias, qi, kj)
+            p_t = jnp.exp(s_t - lse_tile)
+            vis = visibility(plan, masks, qi, kj, positional)
+            vis_t = None if vis is None else vis.swapaxes(-1, -2)
+            if vis_t is not None:
+                p_t = jnp.where(vis_t, p_t, 0.0)
+            dv = dv + dot_nn(p_t.astype(dtype), do_tile)
+            ds_t = p_t * (dot_nn(v_tile, do_t_tile) - delta_tile)
+            if vis_t is not None:
+                # Hidden keys may hold garbage V: 0 * inf must not become NaN.
+                ds_t = jnp.where(vis_t, ds_t, 0.0)
+            if dbias is not None:
+                tile = _bias_tile_grad(plan, ds_t.swapaxes(-1, -2), dbias.shape)
+                start = (0, 0, 0, qi * plan.block_q, kj * plan.block_kv)
+                dbias = lax.dynamic_update_slice(dbias, tile, start)
+            if capped_t is not None:
+                ds_t = ds_t * (1.0 - capped_t * capped_t)
+            ds_t = ds_t.astype(dtype)
+            dk = dk + dot_nn(ds_t, q_tile)
+            dq_t_tile = lax.dynamic_index_in_dim(dq_t, qi, keepdims=False) + dot_nn(k_t_tile, ds_t)
+            dq_t = lax.dynamic_update_index_in_dim(dq_t, dq_t_tile, qi, 0)
+            return dk, dv, dq_t, dbias
+
+        dq_t, dbias = carry
+        inner = (
+            jnp.zeros(k_tile.shape, jnp.float32),
+            jnp.zeros(v_tile.shape, jnp.float32),
+            dq_t,
+            dbias,
+        )
+        bounds = q_blocks_for(plan, masks, kj)
+        dk, dv, dq_t, dbias = visit(bounds, body, inner, has_positional_mask(plan, masks))
+        return (dq_t, dbias), (dk, dv)
+
+    dq_t = jnp.zeros(q_t.shape, jnp.float32)
+    dbias = None
+    if bias_grad and bias is not None:
+        dbias = jnp.zeros(bias.shape, jnp.float32)
+    kv_index = jnp.arange(plan.n_kv, dtype=jnp.int32)
+    (dq_t, dbias), (dk, dv) = lax.scan(one_key_block, (dq_t, dbias), (kv_index, k_t, v))
+    scale = jnp.float32(plan.scale)
+    return dq_t.swapaxes(-1, -2) * scale, dk * scale, dv, dbias

@@ -1,0 +1,64 @@
+"""Block sizes of the blockwise kernel: a frozen config that checks itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attn_backends import AttentionCall
+
+# Large blocks amortise the per-iteration overhead of XLA loops (and, on
+# accelerators, kernel launches); the budget caps one logits tile, which holds
+# every (batch, head) pair: batch * q_heads * block_q * block_kv float32s.
+_DEFAULT_BLOCKS = {"cpu": (512, 512), "gpu": (256, 256), "tpu": (512, 512)}
+_TILE_BUDGET = {"cpu": 1 << 22, "gpu": 1 << 24, "tpu": 1 << 24}
+_MIN_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """Query and key/value block sizes (rows per tile) of the blockwise kernel.
+
+    ``block_q`` query positions (times the GQA group) and ``block_kv`` keys
+    form one tile of logits. Sequence lengths need not be multiples: the
+    kernel pads internally and masks the padding.
+    """
+
+    block_q: int
+    block_kv: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_kv"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"BlockConfig: {name} must be an int, got {type(value).__name__} {value!r}"
+                )
+            if value < 1:
+                raise ValueError(f"BlockConfig: {name}={value} must be >= 1")
+
+    @classmethod
+    def default_for(cls, call: AttentionCall, platform: str = "cpu") -> BlockConfig:
+        """Blocks for ``call`` on ``platform`` (``cpu``, ``gpu`` or ``tpu``).
+
+        Blocks shrink (not below 64) while one logits tile of all batch rows
+        and heads exceeds the platform's budget, and never exceed their
+        sequence length, so short or decode-style calls do not pay for
+        padding up to a large block.
+        """
+        if platform not in _DEFAULT_BLOCKS:
+            raise ValueError(
+                f"BlockConfig.default_for: platform={platform!r}, expected one of "
+                f"{sorted(_DEFAULT_BLOCKS)}"
+            )
+        block_q, block_kv = _DEFAULT_BLOCKS[platform]
+        block_q = min(block_q, max(call.q_len, 1))
+        block_kv = min(block_kv, max(call.kv_len, 1))
+        heads = max(call.batch * call.q_heads, 1)
+        while heads * block_q * block_kv > _TILE_BUDGET[platform]:
+            if block_q >= block_kv and block_q > _MIN_BLOCK:
+                block_q = max(block_q // 2, _MIN_BLOCK)
+            elif block_kv > _MIN_BLOCK:
+                block_kv = max(block_kv // 2, _MIN_BLOCK)
+            else:
+                break
+        return cls(block_q=block_q, block_kv=block_kv)

@@ -1,0 +1,232 @@
+"""Static plan of a blockwise call, block layouts and block visibility.
+
+Internal layout: queries of one kv head and all its ``group`` query heads
+form the rows of one tile, ordered (g, t): row ``r = g * block_q + t``. So
+GQA/MQA reads each K/V block once for the whole group, without repeating
+K/V. Blocked arrays are ``[n_blocks, B, Hkv, rows, ...]`` so a loop picks a
+block with one dynamic index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from attn_backends import AttentionCall, Operands
+from jax import lax
+
+from ._config import BlockConfig
+
+Array = Any
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything static about one call: shapes, blocks, flags. Hashable."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    kv_heads: int
+    group: int
+    head_dim: int
+    v_head_dim: int
+    dtype: str
+    block_q: int
+    block_kv: int
+    scale: float
+    causal: bool
+    window: tuple[int | None, int | None] | None
+    softcap: float | None
+
+    @classmethod
+    def of(cls, call: AttentionCall, blocks: BlockConfig) -> Plan:
+        return cls(
+            batch=call.batch,
+            q_len=call.q_len,
+            kv_len=call.kv_len,
+            kv_heads=call.kv_heads,
+            group=call.group,
+            head_dim=call.head_dim,
+            v_head_dim=call.v_head_dim,
+            dtype=call.dtype,
+            block_q=blocks.block_q,
+            block_kv=blocks.block_kv,
+            scale=call.scale,
+            causal=call.causal,
+            window=call.window,
+            softcap=call.softcap,
+        )
+
+    @property
+    def n_q(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def n_kv(self) -> int:
+        return -(-self.kv_len // self.block_kv)
+
+    @property
+    def rows(self) -> int:
+        """Rows of one query tile: the whole GQA group times ``block_q``."""
+        return self.group * self.block_q
+
+    @property
+    def offset(self) -> int:
+        return self.kv_len - self.q_len
+
+    @property
+    def left(self) -> int | None:
+        return None if self.window is None else self.window[0]
+
+    @property
+    def right(self) -> int | None:
+        return None if self.window is None else self.window[1]
+
+
+class Masks(NamedTuple):
+    """Non-differentiable visibility operands in block-friendly layouts.
+
+    q_seg ``[n_q, B, rows]``, kv_seg ``[n_kv, B, block_kv]``, q_len and
+    kv_len ``[B]`` int32 clipped to the sequence, mask
+    ``[B|1, Hkv|1, group|1, Tq_pad, Tk_pad]`` bool. None where absent.
+    """
+
+    q_seg: Array = None
+    kv_seg: Array = None
+    q_len: Array = None
+    kv_len: Array = None
+    mask: Array = None
+
+
+def _pad_axis(x: Array, axis: int, size: int, value: Any = 0) -> Array:
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def q_to_blocks(plan: Plan, x: Array) -> Array:
+    """``[B, Tq, Hq, E]`` -> ``[n_q, B, Hkv, rows, E]`` (zero-padded)."""
+    b, bq, e = plan.batch, plan.block_q, x.shape[-1]
+    x = _pad_axis(x, 1, plan.n_q * bq)
+    x = x.reshape(b, plan.n_q, bq, plan.kv_heads, plan.group, e)
+    x = x.transpose(1, 0, 3, 4, 2, 5)
+    return x.reshape(plan.n_q, b, plan.kv_heads, plan.rows, e)
+
+
+def q_from_blocks(plan: Plan, x: Array) -> Array:
+    """Inverse of :func:`q_to_blocks`, dropping the padding."""
+    b, bq, e = plan.batch, plan.block_q, x.shape[-1]
+    x = x.reshape(plan.n_q, b, plan.kv_heads, plan.group, bq, e)
+    x = x.transpose(1, 0, 4, 2, 3, 5)
+    x = x.reshape(b, plan.n_q * bq, plan.kv_heads * plan.group, e)
+    return x[:, : plan.q_len]
+
+
+def rows_to_blocks(plan: Plan, x: Array) -> Array:
+    """Per-row values ``[B, Hq, Tq]`` -> ``[n_q, B, Hkv, rows]``."""
+    return q_to_blocks(plan, x.transpose(0, 2, 1)[..., None])[..., 0]
+
+
+def rows_from_blocks(plan: Plan, x: Array) -> Array:
+    """``[n_q, B, Hkv, rows]`` -> ``[B, Hq, Tq]``."""
+    return q_from_blocks(plan, x[..., None])[..., 0].transpose(0, 2, 1)
+
+
+def kv_to_blocks(plan: Plan, x: Array) -> Array:
+    """``[B, Tk, Hkv, E]`` -> ``[n_kv, B, Hkv, block_kv, E]`` (zero-padded)."""
+    b, bk, e = plan.batch, plan.block_kv, x.shape[-1]
+    x = _pad_axis(x, 1, plan.n_kv * bk)
+    x = x.reshape(b, plan.n_kv, bk, plan.kv_heads, e)
+    return x.transpose(1, 0, 3, 2, 4)
+
+
+def kv_from_blocks(plan: Plan, x: Array) -> Array:
+    """Inverse of :func:`kv_to_blocks`, dropping the padding."""
+    b, e = plan.batch, x.shape[-1]
+    x = x.transpose(1, 0, 3, 2, 4).reshape(b, plan.n_kv * plan.block_kv, plan.kv_heads, e)
+    return x[:, : plan.kv_len]
+
+
+def pairwise_to_padded(plan: Plan, x: Array, value: Any) -> Array:
+    """Mask or bias ``[B|1, Hq|1, Tq, Tk]`` -> ``[B|1, Hkv|1, G|1, Tq_pad, Tk_pad]``."""
+    heads = x.shape[1]
+    split = (plan.kv_heads, plan.group) if heads > 1 else (1, 1)
+    x = x.reshape(x.shape[0], *split, plan.q_len, plan.kv_len)
+    x = _pad_axis(x, 3, plan.n_q * plan.block_q, value)
+    return _pad_axis(x, 4, plan.n_kv * plan.block_kv, value)
+
+
+def pairwise_from_padded(plan: Plan, x: Array) -> Array:
+    """Inverse of :func:`pairwise_to_padded`: ``[B|1, Hq|1, Tq, Tk]``."""
+    heads = x.shape[1] * x.shape[2]
+    return x.reshape(x.shape[0], heads, *x.shape[3:])[..., : plan.q_len, : plan.kv_len]
+
+
+def pairwise_block(plan: Plan, x: Array, qi: Array, kj: Array) -> Array:
+    """The ``(qi, kj)`` tile of a padded pairwise array: ``[B|1, Hkv|1, rows, block_kv]``."""
+    bq, bk = plan.block_q, plan.block_kv
+    tile = lax.dynamic_slice(
+        x, (0, 0, 0, qi * bq, kj * bk), (x.shape[0], x.shape[1], x.shape[2], bq, bk)
+    )
+    tile = jnp.broadcast_to(tile, (*tile.shape[:2], plan.group, bq, bk))
+    return tile.reshape(tile.shape[0], tile.shape[1], plan.rows, bk)
+
+
+def prepare_masks(plan: Plan, operands: Operands) -> Masks:
+    """Put the call's visibility operands in block layouts."""
+    q_seg = kv_seg = q_len = kv_len = mask = None
+    if operands.q_segment_ids is not None:
+        ids = _pad_axis(operands.q_segment_ids.astype(jnp.int32), 1, plan.n_q * plan.block_q)
+        ids = ids.reshape(plan.batch, plan.n_q, plan.block_q).transpose(1, 0, 2)
+        q_seg = jnp.tile(ids, (1, 1, plan.group))
+        ids = _pad_axis(operands.kv_segment_ids.astype(jnp.int32), 1, plan.n_kv * plan.block_kv)
+        kv_seg = ids.reshape(plan.batch, plan.n_kv, plan.block_kv).transpose(1, 0, 2)
+    if operands.q_lengths is not None:
+        q_len = jnp.clip(operands.q_lengths.astype(jnp.int32), 0, plan.q_len)
+    if operands.kv_lengths is not None:
+        kv_len = jnp.clip(operands.kv_lengths.astype(jnp.int32), 0, plan.kv_len)
+    if operands.mask is not None:
+        mask = pairwise_to_padded(plan, operands.mask, False)
+    return Masks(q_seg, kv_seg, q_len, kv_len, mask)
+
+
+def _and(a: Array | None, b: Array) -> Array:
+    return b if a is None else a & b
+
+
+def visibility(plan: Plan, masks: Masks, qi: Array, kj: Array, positional: bool) -> Array | None:
+    """Which keys of tile ``(qi, kj)`` each row sees, broadcastable to
+    ``[B, Hkv, rows, block_kv]``; None when every key is visible.
+
+    ``positional=False`` leaves out causal, window, kv padding and kv_lengths:
+    the caller has proven the tile is entirely inside them.
+    """
+    q_pos = qi * plan.block_q + jnp.arange(plan.rows, dtype=jnp.int32)[:, None] % plan.block_q
+    k_pos = kj * plan.block_kv + jnp.arange(plan.block_kv, dtype=jnp.int32)[None, :]
+    vis = None
+    if positional:
+        diag = q_pos + plan.offset
+        if plan.causal:
+            vis = _and(vis, k_pos <= diag)
+        if plan.left is not None:
+            vis = _and(vis, k_pos >= diag - plan.left)
+        if plan.right is not None:
+            vis = _and(vis, k_pos <= diag + plan.right)
+        if plan.kv_len % plan.block_kv:
+            vis = _and(vis, k_pos < plan.kv_len)
+        if masks.kv_len is not None:
+            vis = _and(vis, k_pos < masks.kv_len[:, None, None, None])
+    if masks.q_len is not None:
+        vis = _and(vis, q_pos < masks.q_len[:, None, None, None])
+    if masks.q_seg is not None:
+        q_ids = lax.dynamic_index_in_dim(masks.q_seg, qi, keepdims=False)
+        kv_ids = lax.dynamic_index_in_dim(masks.kv_seg, kj, keepdims=False)
+        vis = _and(vis, q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+    if masks.mask is not None:
+        vis = _and(vis, pairwise_block(plan, masks.mask, qi, kj))
+    return vis

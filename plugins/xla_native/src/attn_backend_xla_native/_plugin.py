@@ -1,0 +1,83 @@
+"""The ``xla_native`` backend: what it declares, and the lazy call into the kernel."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
+from typing import Any
+
+import attn_backends
+from attn_backends import AttentionCall, Backend, Capabilities, Operands
+
+from ._config import BlockConfig
+
+try:
+    _VERSION = _dist_version("attn-backend-xla-native")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    _VERSION = "0+unknown"
+
+_PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
+
+
+class XlaNativeBackend(Backend):
+    """Blockwise attention in plain JAX (online softmax, recomputing custom VJP).
+
+    Memory is linear in sequence length forward and backward; work follows
+    the visible area (fully hidden blocks under causal, window and kv lengths
+    are skipped). ``options``: a :class:`BlockConfig`, or None for
+    :meth:`BlockConfig.default_for`.
+    """
+
+    name = "xla_native"
+    version = _VERSION
+    api_version = 1
+    capabilities = Capabilities(
+        platforms=frozenset({"cpu", "gpu", "tpu"}),
+        gqa=True,
+        causal=True,
+        window=True,
+        segment_ids=True,
+        lengths=True,
+        mask=True,
+        bias=True,
+        bias_grad=True,
+        softcap=True,
+        return_lse=True,
+        differentiable=True,
+        deterministic=True,
+        partitionable=True,
+        interpret=False,
+        jax_versions=">=0.10,<0.13",
+    )
+    priority = {"cpu": 50, "gpu": 50, "tpu": 50}
+    hlo_marker = "xla_native_forward"
+
+    def attend(
+        self,
+        call: AttentionCall,
+        q: Any,
+        k: Any,
+        v: Any,
+        operands: Operands,
+        options: Any = None,
+    ) -> Any:
+        """Blockwise attention; see :class:`attn_backends.Backend`."""
+        if options is None:
+            import jax
+
+            options = BlockConfig.default_for(call, _PLATFORMS.get(jax.default_backend(), "cpu"))
+        elif not isinstance(options, BlockConfig):
+            raise ValueError(
+                f"xla_native: options must be an attn_backend_xla_native.BlockConfig "
+                f"or None, got {type(options).__name__}"
+            )
+        from ._kernel import blockwise_attention
+
+        out, lse = blockwise_attention(call, q, k, v, operands, options)
+        return (out, lse) if call.return_lse else out
+
+
+@attn_backends.hookimpl
+def attn_backends_register() -> list[Backend]:
+    """Register the ``xla_native`` backend."""
+    return [XlaNativeBackend()]

@@ -1,0 +1,61 @@
+"""One tile of logits and the batched matmuls the kernel is made of.
+
+Matmuls run in the input dtype with float32 accumulation
+(``preferred_element_type``), batched over ``(B, Hkv)``, and are all plain
+NN products: XLA's CPU matmul is about twice as slow with a transposed
+left operand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from ._plan import Plan, pairwise_block
+
+Array = Any
+_BATCH = ((0, 1), (0, 1))
+
+
+def dot_nn(a: Array, b: Array) -> Array:
+    """``[B, H, M, K] x [B, H, K, N] -> [B, H, M, N]`` float32."""
+    return lax.dot_general(a, b, (((3,), (2,)), _BATCH), preferred_element_type=jnp.float32)
+
+
+def _finish(plan: Plan, product: Array, bias_tile: Array | None) -> tuple[Array, Array | None]:
+    s = product * jnp.float32(plan.scale)
+    capped = None
+    if plan.softcap is not None:
+        capped = jnp.tanh(s * jnp.float32(1.0 / plan.softcap))
+        s = capped * jnp.float32(plan.softcap)
+    if bias_tile is not None:
+        s = s + bias_tile.astype(jnp.float32)
+    return s, capped
+
+
+def logits(
+    plan: Plan, q_tile: Array, k_t_tile: Array, bias: Array | None, qi: Array, kj: Array
+) -> tuple[Array, Array | None]:
+    """Logits of tile ``(qi, kj)``: ``[B, Hkv, rows, block_kv]`` float32.
+
+    ``k_t_tile`` is K transposed, ``[B, Hkv, D, block_kv]``, so the product
+    is a plain NN matmul (transposed operands are slower on CPU). Also
+    returns ``tanh(scale * q.k / softcap)`` when softcap is on (the backward
+    pass needs it for the softcap derivative), else None.
+    """
+    bias_tile = None if bias is None else pairwise_block(plan, bias, qi, kj)
+    return _finish(plan, dot_nn(q_tile, k_t_tile), bias_tile)
+
+
+def logits_t(
+    plan: Plan, k_tile: Array, q_t_tile: Array, bias: Array | None, qi: Array, kj: Array
+) -> tuple[Array, Array | None]:
+    """Transposed logits of tile ``(qi, kj)``: ``[B, Hkv, block_kv, rows]``,
+    from k ``[B, Hkv, block_kv, D]`` and q transposed ``[B, Hkv, D, rows]``;
+    the backward pass works in this orientation so all its matmuls are NN."""
+    bias_tile = None
+    if bias is not None:
+        bias_tile = pairwise_block(plan, bias, qi, kj).swapaxes(-1, -2)
+    return _finish(plan, dot_nn(k_tile, q_t_tile), bias_tile)

@@ -92,3 +92,21 @@ def test_doctor_reports_versions_platforms_backends_and_cache(capsys, isolated_c
     assert report["environment"]["ATTN_BACKENDS_ONLY"] == "reference"
     assert main(["doctor"]) == 0
     assert "load problems: none" in capsys.readouterr().out
+
+
+def test_bench_times_each_backend_against_the_reference_and_plots(capsys, tmp_path):
+    import attn_backends
+
+    attn_backends.registry = attn_backends.Registry(only=["reference", "xla_native"])
+    png = tmp_path / "bench.png"
+    argv = ["bench", "--seq", "64,128", "--heads", "2", "--reps", "1", "--json", "--plot", str(png)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    assert {(r["backend"], r["seq"], r["kind"]) for r in rows} == {
+        (b, s, k) for b in ("reference", "xla_native") for s in (64, 128) for k in ("fwd", "fwd+bwd")
+    }
+    assert all(r["ms"] > 0 for r in rows)
+    assert all(r["vs_reference"] == 1.0 for r in rows if r["backend"] == "reference")
+    assert "[########################] 16/16" in captured.err  # 8 timings x (warm-up + 1 rep)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

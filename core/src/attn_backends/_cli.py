@@ -1,4 +1,4 @@
-"""The ``attn-backends`` command: list, explain, check, probe, doctor."""
+"""The ``attn-backends`` command: list, explain, check, probe, bench, doctor."""
 
 from __future__ import annotations
 
@@ -177,6 +177,32 @@ def cmd_check(args: argparse.Namespace) -> int:
     return run_check(args.backend, args.json, extra)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import _bench
+    from ._platform import resolve
+
+    platform, present = resolve(args.device)
+    if not present:
+        print(f"attn-backends bench: JAX sees no {platform} here", file=sys.stderr)
+        return 2
+    rows = _bench.run(
+        _registry(), platform,
+        backends=args.backends.split(",") if args.backends else None,
+        seqs=[int(s) for s in args.seq.split(",")], heads=args.heads, head_dim=args.head_dim,
+        dtype=args.dtype, causal=not args.no_causal, reps=args.reps,
+    )
+    if args.json:
+        print(json.dumps(_bench.as_dicts(rows), indent=2))
+    else:
+        table = [[r.backend, str(r.seq), r.kind, f"{r.ms:.2f}",
+                  "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"] for r in rows]
+        print(_table(table, ["backend", "S", "pass", "best ms", "reference / backend"]))
+    if args.plot:
+        _bench.plot(rows, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     report = _report.doctor(_registry())
     if args.json:
@@ -237,6 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.add_argument("--quick", action="store_true", help="reduced case table")
     p_check.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     p_check.set_defaults(func=cmd_check)
+
+    p_bench = sub.add_parser("bench", help="time installed backends on this device")
+    p_bench.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
+    p_bench.add_argument("--backends", default=None, help="comma-separated names (default: all)")
+    p_bench.add_argument("--seq", default="512,1024,2048", help="sequence lengths, comma-separated")
+    p_bench.add_argument("--heads", type=int, default=8)
+    p_bench.add_argument("--head-dim", type=int, default=64)
+    p_bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p_bench.add_argument("--no-causal", action="store_true")
+    p_bench.add_argument("--reps", type=int, default=5)
+    p_bench.add_argument("--json", action="store_true")
+    p_bench.add_argument("--plot", default=None, metavar="FILE.png", help="needs attn-backends[plot]")
+    p_bench.set_defaults(func=cmd_bench)
 
     p_doc = sub.add_parser("doctor", help="environment report to paste into a bug report")
     p_doc.add_argument("--json", action="store_true")

@@ -1,0 +1,119 @@
+"""`attn-backends bench`: time installed backends on the local device.
+
+A small version of benchmarks/bench_xla_native.py for any installed backend:
+forward and forward+backward of one causal call per sequence length, each
+backend timed in turn per repetition (so load hits them alike), best time
+kept, and every figure also given as a ratio to the ``reference`` backend
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ._contract import bind
+from ._errors import AttnBackendsError
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One timing: backend, sequence length, pass ("fwd" / "fwd+bwd"), best ms."""
+
+    backend: str
+    seq: int
+    kind: str
+    ms: float
+    vs_reference: float | None = None
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 24
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * filled}{'-' * (width - filled)}] {done}/{total} {label:<40}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run(
+    registry: Any,
+    platform: str,
+    *,
+    backends: Sequence[str] | None = None,
+    seqs: Sequence[int] = (512, 1024, 2048),
+    heads: int = 8,
+    head_dim: int = 64,
+    dtype: str = "float32",
+    causal: bool = True,
+    reps: int = 5,
+) -> list[BenchRow]:
+    """Best-of-``reps`` times for q/k/v ``[1, S, heads, head_dim]`` on ``platform``."""
+    import jax
+    import jax.numpy as jnp
+
+    names = list(backends) if backends else sorted(registry.backends)
+    jobs = []
+    for seq in seqs:
+        q = jax.random.normal(jax.random.key(seq), (1, seq, heads, head_dim), dtype)
+        call, _ = bind(q, q, q, causal=causal)
+        for name in names:
+            backend = registry.backend(name)
+            if backend.capabilities.unmet(call, platform) or backend.check(call):
+                continue
+            att = registry.get(device=platform, backend=name, fallback="silent")
+            fwd = jax.jit(lambda q, k, v, att=att: att(q, k, v, causal=causal))
+            loss = lambda q, k, v, att=att: att(q, k, v, causal=causal).astype(jnp.float32).sum()  # noqa: E731
+            both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            jobs += [(name, seq, "fwd", fwd, q), (name, seq, "fwd+bwd", both, q)]
+    best: dict[tuple[str, int, str], float] = {}
+    total = len(jobs) * (reps + 1)
+    step = 0
+    for rep in range(reps + 1):  # rep 0 compiles and warms up
+        for name, seq, kind, fn, q in jobs:
+            start = time.perf_counter()
+            jax.block_until_ready(fn(q, q, q))
+            elapsed = 1e3 * (time.perf_counter() - start)
+            if rep:
+                key = (name, seq, kind)
+                best[key] = min(best.get(key, float("inf")), elapsed)
+            step += 1
+            _progress(step, total, f"{name} S={seq} {kind}" + (" (compile)" if not rep else ""))
+    rows = []
+    for (name, seq, kind), ms in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        ref = best.get(("reference", seq, kind))
+        rows.append(BenchRow(name, seq, kind, ms, None if ref is None else ref / ms))
+    return rows
+
+
+def as_dicts(rows: Sequence[BenchRow]) -> list[dict[str, Any]]:
+    """JSON-friendly rows."""
+    return [asdict(r) for r in rows]
+
+
+def plot(rows: Sequence[BenchRow], path: str) -> None:
+    """Write a PNG: time against sequence length, one line per backend and pass."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise AttnBackendsError(
+            f"--plot needs matplotlib, which is not installed ({exc}): "
+            "pip install 'attn-backends[plot]'"
+        ) from exc
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
+    for ax, kind in zip(axes, ("fwd", "fwd+bwd")):
+        for name in sorted({r.backend for r in rows}):
+            pts = sorted((r.seq, r.ms) for r in rows if r.backend == name and r.kind == kind)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set(title=kind, xlabel="sequence length", ylabel="ms (best)", xscale="log", yscale="log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -155,9 +155,7 @@ def test_memory_is_linear_in_sequence_length() -> None:
 
 
 def test_registry_serves_xla_native() -> None:
-    registry = getattr(attn_backends, "registry", None)
-    if registry is None:
-        pytest.skip("attn_backends.registry is not available in this core version")
+    registry = attn_backends.registry
     attn = registry.get(device="cpu", backend="xla_native")
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 19, 2, 8)), jnp.float32) for _ in range(3))

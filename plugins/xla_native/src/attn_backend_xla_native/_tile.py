@@ -19,9 +19,22 @@ Array = Any
 _BATCH = ((0, 1), (0, 1))
 
 
+def _dot(a: Array, b: Array) -> Array:
+    return lax.dot_general(a, b, (((3,), (2,)), _BATCH), preferred_element_type=jnp.float32)
+
+
+def _dot_widened(a: Array, b: Array) -> Array:
+    return _dot(a.astype(jnp.float32), b.astype(jnp.float32))
+
+
 def dot_nn(a: Array, b: Array) -> Array:
     """``[B, H, M, K] x [B, H, K, N] -> [B, H, M, N]`` float32."""
-    return lax.dot_general(a, b, (((3,), (2,)), _BATCH), preferred_element_type=jnp.float32)
+    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        return _dot(a, b)
+    # XLA's CPU runtime lacks a kernel for some bf16/f16 x bf16/f16 -> f32
+    # dots ("Unsupported element type for DotThunk"), so on CPU the operands
+    # are widened first; on GPU/TPU the narrow inputs feed the matrix units.
+    return lax.platform_dependent(a, b, cpu=_dot_widened, default=_dot)
 
 
 def _finish(plan: Plan, product: Array, bias_tile: Array | None) -> tuple[Array, Array | None]:

@@ -19,10 +19,13 @@ KEY_FIELDS = ("backend", "backend_version", "jax", "jaxlib", "libtpu", "platform
 
 def environment_key(backend: str, backend_version: str, platform: str) -> dict[str, Any]:
     """The fields a certificate must match to count for this environment."""
+    found = versions()
     return {
         "backend": backend,
         "backend_version": backend_version,
-        **versions(),
+        "jax": found["jax"],
+        "jaxlib": found["jaxlib"],
+        "libtpu": found["libtpu"],
         "platform": platform,
         "device_kind": device_kind(platform),
     }

@@ -17,8 +17,9 @@ def _installed(dist: str) -> str | None:
 
 @functools.cache
 def versions() -> dict[str, str | None]:
-    """jax, jaxlib and libtpu versions (None when not installed)."""
+    """attn-backends, jax, jaxlib and libtpu versions (None when not installed)."""
     return {
+        "attn_backends": _installed("attn-backends"),
         "jax": _installed("jax"),
         "jaxlib": _installed("jaxlib"),
         "libtpu": _installed("libtpu") or _installed("libtpu-nightly"),

@@ -59,6 +59,8 @@ def probe_key(backend: Backend, call: AttentionCall, platform: str) -> dict[str,
     return {
         "backend": backend.name,
         "backend_version": backend.version,
+        # Includes core's own version: the probe is core's code, so a new
+        # core re-probes instead of trusting verdicts of an older one.
         **versions(),
         "platform": platform,
         "device_kind": device_kind(platform),

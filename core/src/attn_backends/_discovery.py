@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -271,14 +271,12 @@ def discover(
     settings: Settings,
     jax_version: str,
     plugins: Sequence[object] = (),
-    plugin_names: Iterable[str] | None = None,
 ) -> Discovered:
     """Load entry points (if autoload) and the given in-process plugins."""
     loader = Loader(settings, jax_version)
     if settings.autoload:
         loader.load_entry_points()
-    names = list(plugin_names) if plugin_names is not None else []
-    for i, plugin in enumerate(plugins):
-        name = names[i] if i < len(names) else getattr(plugin, "__name__", repr(plugin))
+    for plugin in plugins:
+        name = getattr(plugin, "__name__", repr(plugin))
         loader.register(plugin, Origin(name, IN_PROCESS, ""))
     return loader.finish()

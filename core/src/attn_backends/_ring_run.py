@@ -101,6 +101,9 @@ def ring_bytes_per_step(call: AttentionCall, layout: Layout) -> int:
     return size * _ITEMSIZE[call.dtype] + ids
 
 
+_NO_LSE = "feature 'return_lse' not supported"
+
+
 def _ring_reasons(backend: Backend) -> list[str]:
     if not backend.capabilities.return_lse:
         return ["ring: partial results are merged by their lse, and this backend does not "
@@ -118,10 +121,13 @@ def explain_ring(attention: Attention, call: AttentionCall, layout: Layout) -> E
     for first in per_call[0].verdicts:
         backend = registry.backend(first.backend)
         reasons = _ring_reasons(backend)
+        ring_rejected = bool(reasons)
         probed = None
         for explanation in per_call:
             verdict = next(v for v in explanation.verdicts if v.backend == first.backend)
-            reasons += [r for r in verdict.reasons if r not in reasons]
+            # The ring's own reason already says why return_lse is needed.
+            reasons += [r for r in verdict.reasons
+                        if r not in reasons and not (ring_rejected and r == _NO_LSE)]
             probed = verdict.probed if probed is None else probed
         accepted = not reasons
         if accepted and chosen is None:

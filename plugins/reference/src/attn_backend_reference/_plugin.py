@@ -5,8 +5,7 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Any
 
-from attn_backends import Backend, Capabilities, hookimpl
-from attn_backends import AttentionCall, Operands
+from attn_backends import AttentionCall, Backend, Capabilities, Operands, hookimpl
 
 
 class ReferenceBackend(Backend):

@@ -9,10 +9,16 @@ Run from the repo root:
 Speed: B=1, H=8, D=64, float32; forward and forward+backward of xla_native,
 jax.nn.dot_product_attention(implementation="xla") and PyTorch's
 scaled_dot_product_attention on CPU (if torch is installed; see
-benchmarks/requirements.txt), each timed over --reps runs after a warm-up,
-all in one process, the contenders interleaved run by run so load from
-other processes hits them alike. Also reported as a fraction of this
-machine's float32 matmul rate (a 2048 x 2048 jnp.matmul timed in the same run).
+benchmarks/requirements.txt), all in one process. Each contender runs in
+blocks: one untimed run, then --reps timed runs back to back; the blocks of
+all contenders alternate for --rounds rounds, so load drift on a shared
+machine hits them alike, and the best time is kept. Blocks rather than
+run-by-run alternation, because a run pays for what the previous program
+left behind: right after the dense path (which maps and frees gigabytes of
+S x S scores) the next program page-faults on its fresh buffers, and right
+after PyTorch its OpenMP workers still spin on the same cores. Also reported
+as a fraction of this machine's float32 matmul rate (a 2048 x 2048
+jnp.matmul timed in the same run).
 
 Memory: temp_size_in_bytes of the compiled forward and forward+backward
 programs (compile only), xla_native next to the dense XLA path.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import time
@@ -65,15 +72,15 @@ def _timed(run: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def interleaved(runs: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
-    """Seconds per run of each contender, measured round-robin after one warm-up
-    each, so a load change on a shared machine hits every contender alike."""
-    for run in runs.values():
-        run()  # warm-up (and compile)
+def in_rounds(runs: dict[str, Callable[[], Any]], reps: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per timed run of each contender: ``rounds`` rounds, in each of
+    which every contender makes one untimed run (the first also compiles)
+    and then ``reps`` timed runs back to back."""
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(reps):
+    for _ in range(rounds):
         for name, run in runs.items():
-            times[name].append(_timed(run))
+            run()
+            times[name] += [_timed(run) for _ in range(reps)]
     return times
 
 
@@ -119,7 +126,7 @@ def torch_runner(s: int, causal: bool, backward: bool) -> Callable[[], Any] | No
 def matmul_gflops(reps: int) -> float:
     a = jax.random.normal(jax.random.key(1), (2048, 2048), jnp.float32)
     f = jax.jit(jnp.matmul)
-    seconds = min(interleaved({"matmul": lambda: f(a, a).block_until_ready()}, reps)["matmul"])
+    seconds = min(in_rounds({"matmul": lambda: f(a, a).block_until_ready()}, reps, 1)["matmul"])
     return 2 * 2048**3 / seconds / 1e9
 
 
@@ -129,10 +136,12 @@ def attention_gflop(s: int, causal: bool, backward: bool) -> float:
     return matmuls * 2 * B * H * s * s * D * (0.5 if causal else 1.0) / 1e9
 
 
-def temp_bytes(attn: Callable, s: int, backward: bool, causal: bool = True) -> int:
+def temp_bytes(
+    attn: Callable, s: int, backward: bool, causal: bool = True, blocks: BlockConfig | None = None
+) -> int:
     make = _fwd_bwd if backward else _fwd
     spec = jax.ShapeDtypeStruct((B, s, H, D), jnp.float32)
-    compiled = jax.jit(make(attn, causal, None)).lower(spec, spec, spec, spec).compile()
+    compiled = jax.jit(make(attn, causal, blocks)).lower(spec, spec, spec, spec).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
@@ -155,11 +164,11 @@ def speed(args: argparse.Namespace) -> None:
     rate = matmul_gflops(30)
     print(f"\nfloat32 matmul 2048x2048: {rate:.1f} GFLOP/s (best of 30)")
     print(
-        "\nms: best (median) of the interleaved runs; ratios and the matmul-rate share "
-        "use the best times."
+        "\nms: best (median) of the timed runs (rounds x reps); ratios and the "
+        "matmul-rate share use the best times."
     )
     print(
-        "\n| S | causal | pass | reps | xla_native ms | dense xla ms | torch sdpa ms "
+        "\n| S | causal | pass | timed runs | xla_native ms | dense xla ms | torch sdpa ms "
         "| dense / xla_native | torch / xla_native | xla_native % of matmul rate |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -177,7 +186,7 @@ def speed(args: argparse.Namespace) -> None:
             torch_run = None if args.no_torch else torch_runner(s, causal, backward)
             if torch_run is not None:
                 runs["torch"] = torch_run
-            times = interleaved(runs, reps)
+            times = in_rounds(runs, reps, args.rounds)
             best = {name: min(t) for name, t in times.items()}
             cell = {
                 name: f"{best[name] * 1e3:.1f} ({statistics.median(t) * 1e3:.1f})"
@@ -186,7 +195,7 @@ def speed(args: argparse.Namespace) -> None:
             ours = best["ours"]
             pct = attention_gflop(s, causal, backward) / ours / rate * 100
             print(
-                f"| {s} | {causal} | {'fwd+bwd' if backward else 'fwd'} | {reps} "
+                f"| {s} | {causal} | {'fwd+bwd' if backward else 'fwd'} | {args.rounds}x{reps} "
                 f"| {cell['ours']} | {cell.get('dense', '-')} | {cell.get('torch', '-')} "
                 f"| {_ratio(best.get('dense'), ours)} | {_ratio(best.get('torch'), ours)} "
                 f"| {pct:.0f}% |",
@@ -207,6 +216,26 @@ def memory(args: argparse.Namespace) -> None:
         print(f"| {s} | " + " | ".join(f"{c:.1f}" for c in cells) + " |", flush=True)
 
 
+def page_faults(args: argparse.Namespace) -> None:
+    """Minor page faults per call (getrusage), after warm-up runs: the cost of
+    a program whose temporaries glibc maps fresh on every call."""
+    print("\nMinor page faults per call after 3 warm-up calls (mean of 5), causal fwd")
+    print("\n| S | xla_native temp MiB | xla_native faults/call |")
+    print("|---|---|---|")
+    for s in args.sizes:
+        if s > args.long_from:
+            continue
+        run = jax_runner(xla_native, s, True, False, args.blocks)
+        for _ in range(3):
+            run()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(5):
+            run()
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+        temp = temp_bytes(xla_native, s, False, blocks=args.blocks) / 2**20
+        print(f"| {s} | {temp:.1f} | {faults:.0f} |", flush=True)
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -225,11 +254,12 @@ def main() -> None:
         default=4096,
         help="also time this length without causal mask (0: skip)",
     )
-    parser.add_argument("--reps", type=int, default=5, help="timed runs per case")
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per contender per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of blocks per case")
     parser.add_argument(
         "--long-from", type=int, default=8192, help="lengths above this use --long-reps"
     )
-    parser.add_argument("--long-reps", type=int, default=2)
+    parser.add_argument("--long-reps", type=int, default=1)
     parser.add_argument(
         "--bwd-max", type=int, default=16384, help="skip forward+backward above this length"
     )
@@ -259,6 +289,7 @@ def main() -> None:
         speed(args)
     if not args.no_memory:
         memory(args)
+        page_faults(args)
     print(f"\nload average at the end: {os.getloadavg()}")
 
 

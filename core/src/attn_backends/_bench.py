@@ -2,9 +2,10 @@
 
 A small version of benchmarks/bench_xla_native.py for any installed backend:
 forward and forward+backward of one causal call per sequence length, each
-backend timed in turn per repetition (so load hits them alike), best time
-kept, and every figure also given as a ratio to the ``reference`` backend
-measured in the same run.
+timed back to back after an untimed run that compiles and warms it up (a
+run right after another program pays for that program's freed memory and
+busy threads), best time kept, and every figure also given as a ratio to
+the ``reference`` backend measured in the same run.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def run(
     best: dict[tuple[str, int, str], float] = {}
     total = len(jobs) * (reps + 1)
     step = 0
-    for rep in range(reps + 1):  # rep 0 compiles and warms up
-        for name, seq, kind, fn, q in jobs:
+    for name, seq, kind, fn, q in jobs:
+        for rep in range(reps + 1):  # rep 0 compiles and warms up
             start = time.perf_counter()
             jax.block_until_ready(fn(q, q, q))
             elapsed = 1e3 * (time.perf_counter() - start)
@@ -83,7 +84,9 @@ def run(
             step += 1
             _progress(step, total, f"{name} S={seq} {kind}" + (" (compile)" if not rep else ""))
     rows = []
-    for (name, seq, kind), ms in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+    for (name, seq, kind), ms in sorted(
+        best.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])
+    ):
         ref = best.get(("reference", seq, kind))
         rows.append(BenchRow(name, seq, kind, ms, None if ref is None else ref / ms))
     return rows

@@ -270,6 +270,37 @@ def test_garbage_in_hidden_positions_changes_nothing() -> None:
         np.testing.assert_array_equal(jnp.where(hidden, 0, got), want)
 
 
+def _garbage_changes_nothing(hidden: np.ndarray, **kw: Any) -> None:
+    """Keys at ``hidden`` ([B, Tk]) are visible to no query: huge garbage
+    there must leave output and dq bit-for-bit unchanged."""
+    rng = np.random.default_rng(1)
+    q, k, v, do = (jnp.asarray(x, jnp.float32) for x in _make(rng, 2, 20, hidden.shape[1], 2, 2, 8))
+    where = jnp.asarray(hidden)[:, :, None, None]
+
+    @jax.jit
+    def run(k: Any, v: Any) -> Any:
+        out, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, **kw), q, k, v)
+        return out, vjp(do)[0]
+
+    clean, dirty = run(k, v), run(jnp.where(where, 3e37, k), jnp.where(where, -3e37, v))
+    np.testing.assert_array_equal(clean[0], dirty[0])
+    np.testing.assert_array_equal(clean[1], dirty[1])
+
+
+def test_garbage_in_a_segment_no_query_has_changes_nothing() -> None:
+    q_ids = np.zeros((2, 20), np.int32)
+    kv_ids = np.zeros((2, 27), np.int32)
+    kv_ids[:, 17:20] = 7  # no query is in segment 7
+    _garbage_changes_nothing(kv_ids == 7, segment_ids=(q_ids, kv_ids))
+
+
+def test_garbage_in_keys_the_mask_hides_from_everyone_changes_nothing() -> None:
+    mask = np.ones((2, 1, 20, 27), bool)
+    mask[..., 17:20] = False
+    mask[1, ..., 25:] = False
+    _garbage_changes_nothing(~mask.any(axis=(1, 2)), mask=mask, causal=True)
+
+
 def test_transforms_jit_vmap_checkpoint() -> None:
     rng = np.random.default_rng(3)
     q, k, v, do = (jnp.asarray(x, jnp.float32) for x in _make(rng, 3, 18, 18, 2, 1, 8))

@@ -7,15 +7,33 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from ._plan import Masks, Plan, visibility
+from ._plan import Masks, Plan, kv_block, put_q_block, put_row_block, q_block, visibility
 from ._ranges import has_positional_mask, kv_blocks_for, visit
 from ._tile import dot_nn, logits
 
 Array = Any
 
 
+def _step(s: Array, vis: Array | None, carry: tuple, v_tile: Array) -> tuple:
+    """Online-softmax update of ``(m, row_sum, acc)`` with one tile."""
+    m, row_sum, acc = carry
+    if vis is not None:
+        # Select, never multiply: garbage at hidden keys must not leak.
+        s = jnp.where(vis, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    # A row that has seen no key yet keeps m = -inf; shift by 0 so exp()
+    # gives 0 instead of NaN.
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    row_sum = alpha * row_sum + p.sum(axis=-1)
+    acc = acc * alpha[..., None] + dot_nn(p.astype(v_tile.dtype), v_tile)
+    return m_new, row_sum, acc
+
+
 def xla_native_forward(
     plan: Plan,
+    q_scale: float,
     q: Array,
     k: Array,
     v: Array,
@@ -24,34 +42,32 @@ def xla_native_forward(
 ) -> tuple[Array, Array]:
     """Blocked attention forward.
 
-    q ``[n_q, B, Hkv, rows, D]``, k transposed ``[n_kv, B, Hkv, D, block_kv]``, v
-    ``[n_kv, B, Hkv, block_kv, Dv]``, bias padded ``[B|1, Hkv|1, G|1, Tq_pad,
-    Tk_pad]``. Returns out ``[n_q, B, Hkv, rows, Dv]`` (q's dtype) and lse
-    ``[n_q, B, Hkv, rows]`` float32, ``-inf`` for rows that see no key.
-    """
-    lead = q.shape[1:4]
+    q ``[B, Tq_pad, Hq, D]`` and v ``[B, Tk_pad, Hkv, Dv]`` in the caller's
+    layout (zero-padded to whole blocks), k transposed ``[n_kv, B, Hkv, D,
+    block_kv]``, bias padded ``[B|1, Hkv|1, G|1, Tq_pad, Tk_pad]``; each q
+    tile is multiplied by ``q_scale`` as it is read. Returns out ``[B,
+    Tq_pad, Hq, Dv]`` (q's dtype) and lse ``[B, Hq, Tq_pad]`` float32,
+    ``-inf`` for rows that see no key.
 
-    def one_query_block(args: tuple[Array, Array]) -> tuple[Array, Array]:
-        qi, q_tile = args
+    q and v tiles are moved into tile layout inside the loop and each
+    output tile is written straight back to the caller's layout: no
+    transposed copy of q, v or the output is materialised, which keeps the
+    program's temporary memory (and the page faults of allocating it on
+    every call) small.
+    """
+    lead = (plan.batch, plan.kv_heads, plan.rows)
+
+    def one_query_block(qi: Array, results: tuple[Array, Array]) -> tuple[Array, Array]:
+        q_tile = q_block(plan, q, qi)
+        if q_scale != 1.0:
+            q_tile = (q_tile * jnp.asarray(q_scale, q.dtype)).astype(q.dtype)
 
         def body(kj: Array, carry: tuple, positional: bool) -> tuple:
-            m, row_sum, acc = carry
             k_tile = lax.dynamic_index_in_dim(k, kj, keepdims=False)
-            v_tile = lax.dynamic_index_in_dim(v, kj, keepdims=False)
+            v_tile = kv_block(plan, v, kj)
             s, _ = logits(plan, q_tile, k_tile, bias, qi, kj)
             vis = visibility(plan, masks, qi, kj, positional)
-            if vis is not None:
-                # Select, never multiply: garbage at hidden keys must not leak.
-                s = jnp.where(vis, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            # A row that has seen no key yet keeps m = -inf; shift by 0 so
-            # exp() gives 0 instead of NaN.
-            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-            p = jnp.exp(s - m_safe[..., None])
-            alpha = jnp.exp(m - m_safe)
-            row_sum = alpha * row_sum + p.sum(axis=-1)
-            acc = acc * alpha[..., None] + dot_nn(p.astype(v.dtype), v_tile)
-            return m_new, row_sum, acc
+            return _step(s, vis, carry, v_tile)
 
         carry = (
             jnp.full(lead, -jnp.inf, jnp.float32),
@@ -64,6 +80,14 @@ def xla_native_forward(
         row_sum = jnp.where(seen, row_sum, 1.0)
         out = jnp.where(seen[..., None], acc / row_sum[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(row_sum), -jnp.inf)
-        return out.astype(q.dtype), lse
+        out_all, lse_all = results
+        return put_q_block(plan, out_all, out, qi), put_row_block(plan, lse_all, lse, qi)
 
-    return lax.map(one_query_block, (jnp.arange(plan.n_q, dtype=jnp.int32), q))
+    # Built from q so that, under explicit sharding, they carry q's sharding
+    # of batch and heads, as the tiles written into them do.
+    zeros = jnp.zeros_like(q[..., :1])
+    results = (
+        jnp.broadcast_to(zeros, (*q.shape[:3], v.shape[-1])),
+        zeros[..., 0].transpose(0, 2, 1).astype(jnp.float32),
+    )
+    return lax.fori_loop(0, plan.n_q, one_query_block, results)

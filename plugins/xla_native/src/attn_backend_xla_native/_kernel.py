@@ -19,12 +19,12 @@ from ._plan import (
     Plan,
     kv_from_blocks,
     kv_to_blocks,
+    pad_axis,
     pairwise_from_padded,
     pairwise_to_padded,
     prepare_masks,
     q_from_blocks,
     q_to_blocks,
-    rows_from_blocks,
     rows_to_blocks,
 )
 
@@ -48,7 +48,7 @@ def blockwise_attention(
 
 # Jitted under fixed names: the names appear in the lowered program as called
 # functions, so one can tell this kernel ran (``Backend.hlo_marker``).
-_forward_jit = jax.jit(xla_native_forward, static_argnums=0)
+_forward_jit = jax.jit(xla_native_forward, static_argnums=(0, 1))
 _backward_jit = jax.jit(xla_native_backward, static_argnums=(0, 9))
 
 
@@ -63,51 +63,53 @@ def _attention_fwd(
     plan: Plan, q: Array, k: Array, v: Array, bias: Array | None, masks: Masks
 ) -> tuple[tuple[Array, Array], tuple]:
     # K is kept transposed, [n_kv, B, Hkv, D, block_kv], so q.k is a plain NN
-    # matmul in every tile.
-    q_b, v_b = q_to_blocks(plan, q), kv_to_blocks(plan, v)
+    # matmul in every tile. q and the output stay in the caller's layout.
     k_t = kv_to_blocks(plan, k).swapaxes(-1, -2)
+    v_p = pad_axis(v, 1, plan.n_kv * plan.block_kv)
     bias_p = None if bias is None else pairwise_to_padded(plan, bias, 0)
-    folded, q_b = _fold_scale(plan, q_b)
-    out_b, lse_b = _forward_jit(folded, q_b, k_t, v_b, bias_p, masks)
-    out = q_from_blocks(plan, out_b)
-    lse = rows_from_blocks(plan, lse_b)
-    residuals = (q_b, k_t, v_b, bias_p, masks, out_b, lse_b)
+    folded, q_scale = _fold_scale(plan)
+    q_p = pad_axis(q, 1, plan.n_q * plan.block_q)
+    out, lse = _forward_jit(folded, q_scale, q_p, k_t, v_p, bias_p, masks)
+    out, lse = out[:, : plan.q_len], lse[..., : plan.q_len]
+    residuals = (q, k_t, v, bias_p, masks, out, lse)
     return (out, lse), residuals
 
 
-def _fold_scale(plan: Plan, q_b: Array | None) -> tuple[Plan, Array | None]:
+def _fold_scale(plan: Plan) -> tuple[Plan, float]:
     """Scale q once instead of every logits tile, where that is exact enough:
     in float32, or for a power-of-two scale (exact in any float format).
-    Returns the plan to run with (scale 1 when folded) and the scaled q."""
+    Returns the plan to run with (scale 1 when folded) and the factor to
+    apply to q (1 when not folded)."""
     exact = math.frexp(plan.scale)[0] == 0.5
     if plan.dtype != "float32" and not exact:
-        return plan, q_b
-    if q_b is not None:
-        q_b = (q_b * jnp.asarray(plan.scale, q_b.dtype)).astype(q_b.dtype)
-    return replace(plan, scale=1.0), q_b
+        return plan, 1.0
+    return replace(plan, scale=1.0), plan.scale
 
 
 def _attention_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
-    q_b, k_t, v_b, bias_p, masks, out_b, lse_b = residuals
+    q, k_t, v, bias_p, masks, out, lse = residuals
+    v_b = kv_to_blocks(plan, v)
     d_out, d_lse = cotangents
-    do_b = q_to_blocks(plan, d_out.astype(q_b.dtype))
-    delta = jnp.sum(do_b.astype(jnp.float32) * out_b.astype(jnp.float32), axis=-1)
-    delta = delta - rows_to_blocks(plan, d_lse.astype(jnp.float32))
+    folded, q_scale = _fold_scale(plan)
+    q_b = q_to_blocks(plan, (q * jnp.asarray(q_scale, q.dtype)).astype(q.dtype))
+    d_out = d_out.astype(q.dtype)
+    do_b = q_to_blocks(plan, d_out)
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = rows_to_blocks(plan, delta.transpose(0, 2, 1) - d_lse.astype(jnp.float32))
     # +inf lse zeroes the probabilities (and so every gradient) of rows that
     # see no key and of padding rows, whatever their logits are.
+    lse_b = rows_to_blocks(plan, lse)
     row = jnp.arange(plan.rows, dtype=jnp.int32) % plan.block_q
     pos = jnp.arange(plan.n_q, dtype=jnp.int32)[:, None] * plan.block_q + row
     padding = (pos >= plan.q_len)[:, None, None, :]
     lse_b = jnp.where(jnp.isneginf(lse_b) | padding, jnp.inf, lse_b)
-    # With the scale folded into the saved q, the kernel's dK (ds^T q) is
-    # already scaled and its dQ (ds k) still needs the scale.
-    folded, _ = _fold_scale(plan, None)
+    # With the scale folded into q, the kernel's dK (ds^T q) is already
+    # scaled and its dQ (ds k) still needs the scale.
     dq, dk, dv, dbias = _backward_jit(
         folded, q_b, k_t, v_b, bias_p, masks, do_b, lse_b, delta, bias_p is not None
     )
-    dq_scale = plan.scale / folded.scale
     grads = (
-        q_from_blocks(plan, dq * jnp.float32(dq_scale)).astype(q_b.dtype),
+        q_from_blocks(plan, dq * jnp.float32(q_scale)).astype(q.dtype),
         kv_from_blocks(plan, dk).astype(k_t.dtype),
         kv_from_blocks(plan, dv).astype(v_b.dtype),
         None if dbias is None else pairwise_from_padded(plan, dbias).astype(bias_p.dtype),

@@ -100,7 +100,7 @@ class Masks(NamedTuple):
     mask: Array = None
 
 
-def _pad_axis(x: Array, axis: int, size: int, value: Any = 0) -> Array:
+def pad_axis(x: Array, axis: int, size: int, value: Any = 0) -> Array:
     extra = size - x.shape[axis]
     if extra == 0:
         return x
@@ -112,7 +112,7 @@ def _pad_axis(x: Array, axis: int, size: int, value: Any = 0) -> Array:
 def q_to_blocks(plan: Plan, x: Array) -> Array:
     """``[B, Tq, Hq, E]`` -> ``[n_q, B, Hkv, rows, E]`` (zero-padded)."""
     b, bq, e = plan.batch, plan.block_q, x.shape[-1]
-    x = _pad_axis(x, 1, plan.n_q * bq)
+    x = pad_axis(x, 1, plan.n_q * bq)
     x = x.reshape(b, plan.n_q, bq, plan.kv_heads, plan.group, e)
     x = x.transpose(1, 0, 3, 4, 2, 5)
     return x.reshape(plan.n_q, b, plan.kv_heads, plan.rows, e)
@@ -127,20 +127,47 @@ def q_from_blocks(plan: Plan, x: Array) -> Array:
     return x[:, : plan.q_len]
 
 
+def q_block(plan: Plan, x: Array, qi: Array) -> Array:
+    """Query block ``qi`` of a padded ``[B, Tq_pad, Hq, E]`` array as the
+    rows of one tile, ``[B, Hkv, rows, E]``."""
+    b, bq, e = plan.batch, plan.block_q, x.shape[-1]
+    x = lax.dynamic_slice_in_dim(x, qi * bq, bq, axis=1)
+    x = x.reshape(b, bq, plan.kv_heads, plan.group, e).transpose(0, 2, 3, 1, 4)
+    return x.reshape(b, plan.kv_heads, plan.rows, e)
+
+
+def kv_block(plan: Plan, x: Array, kj: Array) -> Array:
+    """Key block ``kj`` of a padded ``[B, Tk_pad, Hkv, E]`` array as one tile,
+    ``[B, Hkv, block_kv, E]``."""
+    x = lax.dynamic_slice_in_dim(x, kj * plan.block_kv, plan.block_kv, axis=1)
+    return x.transpose(0, 2, 1, 3)
+
+
+def put_q_block(plan: Plan, x: Array, tile: Array, qi: Array) -> Array:
+    """Write a ``[B, Hkv, rows, E]`` tile into query block ``qi`` of a padded
+    ``[B, Tq_pad, Hq, E]`` array (inverse of :func:`q_block`)."""
+    b, bq, e = plan.batch, plan.block_q, tile.shape[-1]
+    tile = tile.reshape(b, plan.kv_heads, plan.group, bq, e).transpose(0, 3, 1, 2, 4)
+    tile = tile.reshape(b, bq, plan.kv_heads * plan.group, e)
+    return lax.dynamic_update_slice_in_dim(x, tile.astype(x.dtype), qi * bq, axis=1)
+
+
+def put_row_block(plan: Plan, x: Array, tile: Array, qi: Array) -> Array:
+    """Write per-row values ``[B, Hkv, rows]`` into query block ``qi`` of a
+    padded ``[B, Hq, Tq_pad]`` array."""
+    tile = tile.reshape(plan.batch, plan.kv_heads * plan.group, plan.block_q)
+    return lax.dynamic_update_slice_in_dim(x, tile, qi * plan.block_q, axis=2)
+
+
 def rows_to_blocks(plan: Plan, x: Array) -> Array:
     """Per-row values ``[B, Hq, Tq]`` -> ``[n_q, B, Hkv, rows]``."""
     return q_to_blocks(plan, x.transpose(0, 2, 1)[..., None])[..., 0]
 
 
-def rows_from_blocks(plan: Plan, x: Array) -> Array:
-    """``[n_q, B, Hkv, rows]`` -> ``[B, Hq, Tq]``."""
-    return q_from_blocks(plan, x[..., None])[..., 0].transpose(0, 2, 1)
-
-
 def kv_to_blocks(plan: Plan, x: Array) -> Array:
     """``[B, Tk, Hkv, E]`` -> ``[n_kv, B, Hkv, block_kv, E]`` (zero-padded)."""
     b, bk, e = plan.batch, plan.block_kv, x.shape[-1]
-    x = _pad_axis(x, 1, plan.n_kv * bk)
+    x = pad_axis(x, 1, plan.n_kv * bk)
     x = x.reshape(b, plan.n_kv, bk, plan.kv_heads, e)
     return x.transpose(1, 0, 3, 2, 4)
 
@@ -157,8 +184,8 @@ def pairwise_to_padded(plan: Plan, x: Array, value: Any) -> Array:
     heads = x.shape[1]
     split = (plan.kv_heads, plan.group) if heads > 1 else (1, 1)
     x = x.reshape(x.shape[0], *split, plan.q_len, plan.kv_len)
-    x = _pad_axis(x, 3, plan.n_q * plan.block_q, value)
-    return _pad_axis(x, 4, plan.n_kv * plan.block_kv, value)
+    x = pad_axis(x, 3, plan.n_q * plan.block_q, value)
+    return pad_axis(x, 4, plan.n_kv * plan.block_kv, value)
 
 
 def pairwise_from_padded(plan: Plan, x: Array) -> Array:
@@ -181,10 +208,10 @@ def prepare_masks(plan: Plan, operands: Operands) -> Masks:
     """Put the call's visibility operands in block layouts."""
     q_seg = kv_seg = q_len = kv_len = mask = None
     if operands.q_segment_ids is not None:
-        ids = _pad_axis(operands.q_segment_ids.astype(jnp.int32), 1, plan.n_q * plan.block_q)
+        ids = pad_axis(operands.q_segment_ids.astype(jnp.int32), 1, plan.n_q * plan.block_q)
         ids = ids.reshape(plan.batch, plan.n_q, plan.block_q).transpose(1, 0, 2)
         q_seg = jnp.tile(ids, (1, 1, plan.group))
-        ids = _pad_axis(operands.kv_segment_ids.astype(jnp.int32), 1, plan.n_kv * plan.block_kv)
+        ids = pad_axis(operands.kv_segment_ids.astype(jnp.int32), 1, plan.n_kv * plan.block_kv)
         kv_seg = ids.reshape(plan.batch, plan.n_kv, plan.block_kv).transpose(1, 0, 2)
     if operands.q_lengths is not None:
         q_len = jnp.clip(operands.q_lengths.astype(jnp.int32), 0, plan.q_len)

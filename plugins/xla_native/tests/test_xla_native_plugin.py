@@ -129,8 +129,8 @@ def test_export_for_tpu_and_cuda() -> None:
     assert "xla_native_backward" in backward.mlir_module()
 
 
-def _temp_bytes(attend: Any, s: int) -> int:
-    spec = _spec(1, s, 1, 16)
+def _temp_bytes(attend: Any, s: int, heads: int = 1, head_dim: int = 16) -> int:
+    spec = _spec(1, s, heads, head_dim)
 
     def fwd_bwd(q: Any, k: Any, v: Any) -> Any:
         return jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)), argnums=(0, 1, 2))(q, k, v)
@@ -152,6 +152,13 @@ def test_memory_is_linear_in_sequence_length() -> None:
     assert dense >= dense_scores  # the measure sees the dense path's S x S matrix
     assert ours < dense_scores / 32
     assert ours < 2.5 * half  # linear, not quadratic, growth
+
+
+def test_forward_and_backward_at_64k_fit_in_one_gib() -> None:
+    """Issue 4's memory target, compile only: B=1, H=8, D=64, float32,
+    causal, S=65536 (the dense path would need about 384 GiB)."""
+    ours = _temp_bytes(lambda q, k, v: _attend(q, k, v, causal=True), 65536, 8, 64)
+    assert ours <= 2**30, f"{ours / 2**20:.0f} MiB"
 
 
 def test_registry_serves_xla_native() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from ._plan import Masks, Plan, visibility
+from ._plan import Masks, Plan, kv_block, visibility
 from ._ranges import has_positional_mask, q_blocks_for, visit
 from ._tile import dot_nn, logits_t
 
@@ -42,12 +42,13 @@ def xla_native_backward(
 ) -> tuple[Array, Array, Array, Array | None]:
     """Gradients of the blocked forward.
 
-    Blocked layouts as in :func:`xla_native_forward` (K transposed); ``d_out``
-    like its out, ``lse``
-    and ``delta`` (``rowsum(d_out * out) - d_lse``) ``[n_q, B, Hkv, rows]``
-    float32, with lse ``+inf`` on rows whose gradient must be zero (no
-    visible key, padding). Returns dq, dk, dv (float32, blocked) and the
-    padded bias gradient (float32) or None.
+    q and ``d_out`` blocked ``[n_q, B, Hkv, rows, E]``, k transposed ``[n_kv,
+    B, Hkv, D, block_kv]``, v padded in the caller's layout ``[B, Tk_pad,
+    Hkv, Dv]`` (each key block's tile is cut from it as the loop reaches
+    it), ``lse`` and ``delta`` (``rowsum(d_out * out) - d_lse``) ``[n_q, B,
+    Hkv, rows]`` float32, with lse ``+inf`` on rows whose gradient must be
+    zero (no visible key, padding). Returns dq, dk, dv (float32, blocked)
+    and the padded bias gradient (float32) or None.
     """
     dtype = q.dtype
     # The pass works on transposed tiles [block_kv, rows] so that all five
@@ -56,8 +57,9 @@ def xla_native_backward(
     d_out_t = d_out.swapaxes(-1, -2)
 
     def one_key_block(carry: tuple, args: tuple) -> tuple:
-        kj, k_t_tile, v_tile = args
+        kj, k_t_tile = args
         k_tile = k_t_tile.swapaxes(-1, -2)
+        v_tile = kv_block(plan, v, kj)
 
         def body(qi: Array, inner: tuple, positional: bool) -> tuple:
             dk, dv, dq_t, dbias = inner
@@ -106,6 +108,6 @@ def xla_native_backward(
     if bias_grad and bias is not None:
         dbias = jnp.zeros(bias.shape, jnp.float32)
     kv_index = jnp.arange(plan.n_kv, dtype=jnp.int32)
-    (dq_t, dbias), (dk, dv) = lax.scan(one_key_block, (dq_t, dbias), (kv_index, k_t, v))
+    (dq_t, dbias), (dk, dv) = lax.scan(one_key_block, (dq_t, dbias), (kv_index, k_t))
     scale = jnp.float32(plan.scale)
     return dq_t.swapaxes(-1, -2) * scale, dk * scale, dv, dbias

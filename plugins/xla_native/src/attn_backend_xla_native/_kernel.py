@@ -88,7 +88,6 @@ def _fold_scale(plan: Plan) -> tuple[Plan, float]:
 
 def _attention_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
     q, k_t, v, bias_p, masks, out, lse = residuals
-    v_b = kv_to_blocks(plan, v)
     d_out, d_lse = cotangents
     folded, q_scale = _fold_scale(plan)
     q_b = q_to_blocks(plan, (q * jnp.asarray(q_scale, q.dtype)).astype(q.dtype))
@@ -105,13 +104,14 @@ def _attention_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
     lse_b = jnp.where(jnp.isneginf(lse_b) | padding, jnp.inf, lse_b)
     # With the scale folded into q, the kernel's dK (ds^T q) is already
     # scaled and its dQ (ds k) still needs the scale.
+    v_p = pad_axis(v, 1, plan.n_kv * plan.block_kv)
     dq, dk, dv, dbias = _backward_jit(
-        folded, q_b, k_t, v_b, bias_p, masks, do_b, lse_b, delta, bias_p is not None
+        folded, q_b, k_t, v_p, bias_p, masks, do_b, lse_b, delta, bias_p is not None
     )
     grads = (
         q_from_blocks(plan, dq * jnp.float32(q_scale)).astype(q.dtype),
         kv_from_blocks(plan, dk).astype(k_t.dtype),
-        kv_from_blocks(plan, dv).astype(v_b.dtype),
+        kv_from_blocks(plan, dv).astype(v.dtype),
         None if dbias is None else pairwise_from_padded(plan, dbias).astype(bias_p.dtype),
         None,
     )

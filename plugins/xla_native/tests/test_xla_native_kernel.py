@@ -224,6 +224,14 @@ def test_default_blocks_and_uneven_blocks() -> None:
     )
 
 
+@pytest.mark.parametrize("name", ["everything", "causal_tq_lt_tk_bias_broadcast_batch"])
+def test_backward_with_its_own_blocks(name: str) -> None:
+    # The backward pass re-blocks q, k, v, bias and masks for its own sizes.
+    features = dict(FEATURES[name])
+    shape = features.pop("_shape", SHAPE)
+    check(shape, blocks=BlockConfig(8, 8, block_q_bwd=16, block_kv_bwd=5), **features)
+
+
 def test_fully_masked_rows_are_zero_with_zero_grads() -> None:
     rng = np.random.default_rng(1)
     q, k, v, do = (jnp.asarray(x, jnp.float32) for x in _make(rng, 2, 12, 10, 2, 1, 8))

@@ -59,6 +59,11 @@ def test_plugin_import_does_not_load_the_kernel() -> None:
         ({"block_q": 8, "block_kv": -4}, "block_kv=-4 must be >= 1"),
         ({"block_q": 8.0, "block_kv": 8}, "block_q must be an int, got float"),
         ({"block_q": 8, "block_kv": True}, "block_kv must be an int, got bool"),
+        ({"block_q": 8, "block_kv": 8, "block_q_bwd": 0}, "block_q_bwd=0 must be >= 1"),
+        (
+            {"block_q": 8, "block_kv": 8, "block_kv_bwd": "8"},
+            "block_kv_bwd must be an int, got str",
+        ),
     ],
 )
 def test_block_config_checks_itself(kwargs: dict, message: str) -> None:
@@ -68,15 +73,17 @@ def test_block_config_checks_itself(kwargs: dict, message: str) -> None:
 
 def test_block_config_defaults() -> None:
     long_call, _ = attn_backends.bind(*(_spec(1, 4096, 2, 64),) * 3)
-    assert BlockConfig.default_for(long_call, "cpu") == BlockConfig(512, 512)
-    assert BlockConfig.default_for(long_call, "gpu") == BlockConfig(256, 256)
-    assert BlockConfig.default_for(long_call, "tpu") == BlockConfig(512, 512)
+    assert BlockConfig.default_for(long_call, "cpu") == BlockConfig(512, 256, 512, 512)
+    assert BlockConfig.default_for(long_call, "gpu") == BlockConfig(256, 256, 256, 256)
+    assert BlockConfig.default_for(long_call, "tpu") == BlockConfig(512, 512, 512, 512)
     decode, _ = attn_backends.bind(_spec(1, 1, 2, 64), _spec(1, 1000, 2, 64), _spec(1, 1000, 2, 64))
-    assert BlockConfig.default_for(decode, "cpu") == BlockConfig(1, 512)
+    assert BlockConfig.default_for(decode, "cpu") == BlockConfig(1, 256, 1, 512)
     big, _ = attn_backends.bind(*(_spec(8, 4096, 32, 64),) * 3)  # 256 (batch, head) pairs
-    assert BlockConfig.default_for(big, "cpu") == BlockConfig(128, 128)
-    assert BlockConfig.default_for(big, "gpu") == BlockConfig(256, 256)
-    assert BlockConfig.default_for(big, "tpu") == BlockConfig(256, 256)
+    assert BlockConfig.default_for(big, "cpu") == BlockConfig(128, 128, 128, 128)
+    assert BlockConfig.default_for(big, "gpu") == BlockConfig(256, 256, 256, 256)
+    assert BlockConfig.default_for(big, "tpu") == BlockConfig(256, 256, 256, 256)
+    assert BlockConfig(64, 32).backward() == BlockConfig(64, 32)
+    assert BlockConfig(64, 32, block_kv_bwd=16).backward() == BlockConfig(64, 16)
     with pytest.raises(ValueError, match="platform='cuda'"):
         BlockConfig.default_for(decode, "cuda")
     with pytest.raises(AttributeError):

@@ -53,8 +53,8 @@ def xla_native_backward(
     dtype = q.dtype
     # The pass works on transposed tiles [block_kv, rows] so that all five
     # matmuls are NN; dQ is accumulated transposed, [n_q, B, Hkv, D, rows].
-    q_t = q.swapaxes(-1, -2)
-    d_out_t = d_out.swapaxes(-1, -2)
+    # q and d_out are transposed per tile rather than copied whole: two
+    # sequence-long copies fewer (issue 4's 1 GiB budget at S=65536).
 
     def one_key_block(carry: tuple, args: tuple) -> tuple:
         kj, k_t_tile = args
@@ -64,9 +64,9 @@ def xla_native_backward(
         def body(qi: Array, inner: tuple, positional: bool) -> tuple:
             dk, dv, dq_t, dbias = inner
             q_tile = lax.dynamic_index_in_dim(q, qi, keepdims=False)
-            q_t_tile = lax.dynamic_index_in_dim(q_t, qi, keepdims=False)
+            q_t_tile = q_tile.swapaxes(-1, -2)
             do_tile = lax.dynamic_index_in_dim(d_out, qi, keepdims=False)
-            do_t_tile = lax.dynamic_index_in_dim(d_out_t, qi, keepdims=False)
+            do_t_tile = do_tile.swapaxes(-1, -2)
             lse_tile = lax.dynamic_index_in_dim(lse, qi, keepdims=False)[..., None, :]
             delta_tile = lax.dynamic_index_in_dim(delta, qi, keepdims=False)[..., None, :]
             s_t, capped_t = logits_t(plan, k_tile, q_t_tile, bias, qi, kj)
@@ -103,7 +103,7 @@ def xla_native_backward(
         dk, dv, dq_t, dbias = visit(bounds, body, inner, has_positional_mask(plan, masks))
         return (dq_t, dbias), (dk, dv)
 
-    dq_t = jnp.zeros(q_t.shape, jnp.float32)
+    dq_t = jnp.zeros(q.swapaxes(-1, -2).shape, jnp.float32)
     dbias = None
     if bias_grad and bias is not None:
         dbias = jnp.zeros(bias.shape, jnp.float32)

@@ -8,8 +8,13 @@ from attn_backends import AttentionCall
 
 # Large blocks amortise the per-iteration overhead of XLA loops (and, on
 # accelerators, kernel launches); the budget caps one logits tile, which holds
-# every (batch, head) pair: batch * q_heads * block_q * block_kv float32s.
-_DEFAULT_BLOCKS = {"cpu": (512, 512), "gpu": (256, 256), "tpu": (512, 512)}
+# every (batch, head) pair: batch * q_heads * block_q * block_kv float32s. On
+# CPU, 512 x 256 ran as fast as 512 x 512 or faster (BENCHMARKS.md) with half
+# the tile memory, which keeps more calls' temporaries small enough to be
+# reused from the heap rather than mapped (and page-faulted) on every call;
+# the backward pass, with five matmuls per tile, ran faster with 512 x 512.
+_DEFAULT_BLOCKS = {"cpu": (512, 256), "gpu": (256, 256), "tpu": (512, 512)}
+_DEFAULT_BACKWARD_BLOCKS = {"cpu": (512, 512), "gpu": (256, 256), "tpu": (512, 512)}
 _TILE_BUDGET = {"cpu": 1 << 22, "gpu": 1 << 24, "tpu": 1 << 24}
 _MIN_BLOCK = 64
 
@@ -19,22 +24,32 @@ class BlockConfig:
     """Query and key/value block sizes (rows per tile) of the blockwise kernel.
 
     ``block_q`` query positions (times the GQA group) and ``block_kv`` keys
-    form one tile of logits. Sequence lengths need not be multiples: the
-    kernel pads internally and masks the padding.
+    form one tile of logits in the forward pass; ``block_q_bwd`` and
+    ``block_kv_bwd`` do the same for the backward pass (None: the forward's).
+    Sequence lengths need not be multiples: the kernel pads internally and
+    masks the padding.
     """
 
     block_q: int
     block_kv: int
+    block_q_bwd: int | None = None
+    block_kv_bwd: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_q", "block_kv"):
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
             value = getattr(self, name)
+            if value is None and name.endswith("_bwd"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(
                     f"BlockConfig: {name} must be an int, got {type(value).__name__} {value!r}"
                 )
             if value < 1:
                 raise ValueError(f"BlockConfig: {name}={value} must be >= 1")
+
+    def backward(self) -> BlockConfig:
+        """The blocks the backward pass runs with, as a forward-only config."""
+        return BlockConfig(self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)
 
     @classmethod
     def default_for(cls, call: AttentionCall, platform: str = "cpu") -> BlockConfig:
@@ -50,15 +65,21 @@ class BlockConfig:
                 f"BlockConfig.default_for: platform={platform!r}, expected one of "
                 f"{sorted(_DEFAULT_BLOCKS)}"
             )
-        block_q, block_kv = _DEFAULT_BLOCKS[platform]
-        block_q = min(block_q, max(call.q_len, 1))
-        block_kv = min(block_kv, max(call.kv_len, 1))
-        heads = max(call.batch * call.q_heads, 1)
-        while heads * block_q * block_kv > _TILE_BUDGET[platform]:
-            if block_q >= block_kv and block_q > _MIN_BLOCK:
-                block_q = max(block_q // 2, _MIN_BLOCK)
-            elif block_kv > _MIN_BLOCK:
-                block_kv = max(block_kv // 2, _MIN_BLOCK)
-            else:
-                break
-        return cls(block_q=block_q, block_kv=block_kv)
+        forward = _fit(call, platform, *_DEFAULT_BLOCKS[platform])
+        backward = _fit(call, platform, *_DEFAULT_BACKWARD_BLOCKS[platform])
+        return cls(*forward, *backward)
+
+
+def _fit(call: AttentionCall, platform: str, block_q: int, block_kv: int) -> tuple[int, int]:
+    """``(block_q, block_kv)`` cut to the sequence lengths and the tile budget."""
+    block_q = min(block_q, max(call.q_len, 1))
+    block_kv = min(block_kv, max(call.kv_len, 1))
+    heads = max(call.batch * call.q_heads, 1)
+    while heads * block_q * block_kv > _TILE_BUDGET[platform]:
+        if block_q >= block_kv and block_q > _MIN_BLOCK:
+            block_q = max(block_q // 2, _MIN_BLOCK)
+        elif block_kv > _MIN_BLOCK:
+            block_kv = max(block_kv // 2, _MIN_BLOCK)
+        else:
+            break
+    return block_q, block_kv

@@ -43,7 +43,9 @@ def blockwise_attention(
     dtype) and lse ``[B, Hq, Tq]`` float32, differentiable in q, k, v, bias."""
     plan = Plan.of(call, blocks)
     masks = prepare_masks(plan, operands)
-    return _attention(plan, q, k, v, operands.bias, masks)
+    bwd_plan = Plan.of(call, blocks.backward())
+    bwd_masks = masks if bwd_plan == plan else prepare_masks(bwd_plan, operands)
+    return _attention(plan, bwd_plan, q, k, v, operands.bias, masks, bwd_masks)
 
 
 # Jitted under fixed names: the names appear in the lowered program as called
@@ -52,15 +54,29 @@ _forward_jit = jax.jit(xla_native_forward, static_argnums=(0, 1))
 _backward_jit = jax.jit(xla_native_backward, static_argnums=(0, 9))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(
-    plan: Plan, q: Array, k: Array, v: Array, bias: Array | None, masks: Masks
+    plan: Plan,
+    bwd_plan: Plan,
+    q: Array,
+    k: Array,
+    v: Array,
+    bias: Array | None,
+    masks: Masks,
+    bwd_masks: Masks,
 ) -> tuple[Array, Array]:
-    return _attention_fwd(plan, q, k, v, bias, masks)[0]
+    return _attention_fwd(plan, bwd_plan, q, k, v, bias, masks, bwd_masks)[0]
 
 
 def _attention_fwd(
-    plan: Plan, q: Array, k: Array, v: Array, bias: Array | None, masks: Masks
+    plan: Plan,
+    bwd_plan: Plan,
+    q: Array,
+    k: Array,
+    v: Array,
+    bias: Array | None,
+    masks: Masks,
+    bwd_masks: Masks,
 ) -> tuple[tuple[Array, Array], tuple]:
     # K is kept transposed, [n_kv, B, Hkv, D, block_kv], so q.k is a plain NN
     # matmul in every tile. q and the output stay in the caller's layout.
@@ -71,7 +87,9 @@ def _attention_fwd(
     q_p = pad_axis(q, 1, plan.n_q * plan.block_q)
     out, lse = _forward_jit(folded, q_scale, q_p, k_t, v_p, bias_p, masks)
     out, lse = out[:, : plan.q_len], lse[..., : plan.q_len]
-    residuals = (q, k_t, v, bias_p, masks, out, lse)
+    # Only the caller's arrays, the output and lse are kept: the backward
+    # pass may use other blocks and builds its own layouts.
+    residuals = (q, k, v, bias, bwd_masks, out, lse)
     return (out, lse), residuals
 
 
@@ -86,8 +104,10 @@ def _fold_scale(plan: Plan) -> tuple[Plan, float]:
     return replace(plan, scale=1.0), plan.scale
 
 
-def _attention_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
-    q, k_t, v, bias_p, masks, out, lse = residuals
+def _attention_bwd(_forward_plan: Plan, plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
+    q, k, v, bias, masks, out, lse = residuals
+    k_t = kv_to_blocks(plan, k).swapaxes(-1, -2)
+    bias_p = None if bias is None else pairwise_to_padded(plan, bias, 0)
     d_out, d_lse = cotangents
     folded, q_scale = _fold_scale(plan)
     q_b = q_to_blocks(plan, (q * jnp.asarray(q_scale, q.dtype)).astype(q.dtype))
@@ -110,9 +130,10 @@ def _attention_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
     )
     grads = (
         q_from_blocks(plan, dq * jnp.float32(q_scale)).astype(q.dtype),
-        kv_from_blocks(plan, dk).astype(k_t.dtype),
+        kv_from_blocks(plan, dk).astype(k.dtype),
         kv_from_blocks(plan, dv).astype(v.dtype),
-        None if dbias is None else pairwise_from_padded(plan, dbias).astype(bias_p.dtype),
+        None if dbias is None else pairwise_from_padded(plan, dbias).astype(bias.dtype),
+        None,
         None,
     )
     return grads

@@ -9,10 +9,10 @@ from attn_backends import AttentionCall
 # Large blocks amortise the per-iteration overhead of XLA loops (and, on
 # accelerators, kernel launches); the budget caps one logits tile, which holds
 # every (batch, head) pair: batch * q_heads * block_q * block_kv float32s. On
-# CPU, 512 x 256 ran as fast as 512 x 512 or faster (BENCHMARKS.md) with half
-# the tile memory, which keeps more calls' temporaries small enough to be
-# reused from the heap rather than mapped (and page-faulted) on every call;
-# the backward pass, with five matmuls per tile, ran faster with 512 x 512.
+# CPU the forward ran 5-10% faster with 512 x 256 than 512 x 512 (half the
+# tile memory keeps its temporaries small enough to be reused from the heap
+# rather than mapped and page-faulted on every call) and the backward about
+# 10% faster with 512 x 512 (BENCHMARKS.md, "Block sizes on cpu").
 _DEFAULT_BLOCKS = {"cpu": (512, 256), "gpu": (256, 256), "tpu": (512, 512)}
 _DEFAULT_BACKWARD_BLOCKS = {"cpu": (512, 512), "gpu": (256, 256), "tpu": (512, 512)}
 _TILE_BUDGET = {"cpu": 1 << 22, "gpu": 1 << 24, "tpu": 1 << 24}

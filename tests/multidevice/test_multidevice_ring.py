@@ -135,3 +135,36 @@ def test_zigzag_gives_every_device_the_same_causal_work(p):
     work = {d: sum(kc <= qc for qc in holds[d] for cs in holds.values() for kc in cs)
             for d in range(p)}
     assert len(set(work.values())) == 1, work
+
+
+def _peak_bytes(fn, arg) -> int:
+    """Per-device peak of the compiled program: arguments + outputs + temporaries - aliased."""
+    m = jax.jit(fn).lower(arg, arg, arg, arg).compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def test_ring_needs_at_most_a_sixth_of_one_devices_memory_at_128k(md_registry):
+    """The #7 target at S=128k on 8 devices (causal, f32, B=1, H=8, D=64),
+    compile only; benchmarks/bench_ring.py prints the same figures."""
+    mesh = jax.make_mesh((8,), ("sp",))
+    shape = (1, 131072, 8, 64)
+    ring = md_registry.get(backend="xla_native", sequence_axis="sp", mesh=mesh)
+    single = md_registry.get(backend="xla_native")
+
+    def programs(att):
+        def fwd(q, k, v, do):
+            return att(q, k, v, causal=True)
+
+        def fwd_bwd(q, k, v, do):
+            return jax.vjp(lambda q, k, v: att(q, k, v, causal=True), q, k, v)[1](do)
+
+        return fwd, fwd_bwd
+
+    sharded = jax.ShapeDtypeStruct(shape, jnp.float32,
+                                   sharding=NamedSharding(mesh, P(None, "sp", None, None)))
+    whole = jax.ShapeDtypeStruct(shape, jnp.float32)
+    with jax.sharding.set_mesh(mesh):
+        for ring_fn, single_fn in zip(programs(ring), programs(single), strict=True):
+            ring_peak, single_peak = _peak_bytes(ring_fn, sharded), _peak_bytes(single_fn, whole)
+            assert 6 * ring_peak <= single_peak, (ring_fn.__name__, ring_peak, single_peak)

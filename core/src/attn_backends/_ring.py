@@ -5,9 +5,10 @@ keys/values. Step s computes attention of the local queries against the kv
 block that started on device ``(r - s) mod P`` (one call of the selected
 backend with ``return_lse=True``), merges it into the running result by the
 lse, and passes the kv block on with ``ppermute`` at the start of the next
-step. P - 1 transfers in all. (Sending the next block during the step's compute
-would overlap transfer and compute, at the price of a third kv buffer; memory
-was the constraint here.)
+step, one sub-chunk at a time written back in place, so a single sub-chunk
+is in flight. P - 1 block transfers in all. (Sending the next block during
+the step's compute would overlap transfer and compute, at the price of a
+second kv buffer; memory was the constraint here.)
 
 Causal calls use the zigzag order (``_ring_run`` reorders the sequence first):
 the sequence is cut in 2P chunks and device r holds chunks r and 2P-1-r, so
@@ -102,17 +103,34 @@ def merge(o: Any, lse: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
     return o * _rows(w_a) + o_b.astype(jnp.float32) * _rows(w_b), new
 
 
-def _rotate(tree: Any, plan: RingPlan) -> Any:
-    perm = [(i, (i + 1) % plan.size) for i in range(plan.size)]
-    return jax.tree.map(lambda x: jax.lax.ppermute(x, plan.axis, perm), tree)
-
-
 def _cut(x: Any, index: Any, size: int, axis: int) -> Any:
     return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis)
 
 
 def _paste(x: Any, part: Any, index: Any, size: int, axis: int) -> Any:
     return jax.lax.dynamic_update_slice_in_dim(x, part, index * size, axis)
+
+
+def _rotate(tree: Any, plan: RingPlan) -> Any:
+    """Pass every ``[B, T_local, ...]`` leaf one device on along the ring."""
+    perm = [(i, (i + 1) % plan.size) for i in range(plan.size)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, plan.axis, perm), tree)
+
+
+def _rotate_in_place(tree: Any, plan: RingPlan) -> Any:
+    """:func:`_rotate` one kv sub-chunk at a time, each written back in place.
+
+    Only one sub-chunk is in flight, not a rotated copy of the whole block
+    next to the loop state it is copied into. (The backward keeps
+    :func:`_rotate`: there the in-place form measured no smaller.)
+    """
+    perm = [(i, (i + 1) % plan.size) for i in range(plan.size)]
+    lk = plan.full.kv_len
+
+    def one(i: Any, x: Any) -> Any:
+        return _paste(x, jax.lax.ppermute(_cut(x, i, lk, 1), plan.axis, perm), i, lk, 1)
+
+    return jax.tree.map(lambda x: jax.lax.fori_loop(0, plan.subs, one, x), tree)
 
 
 def _global_sub(plan: RingPlan, device: Any, b: Any) -> Any:
@@ -182,7 +200,7 @@ def _forward(plan: RingPlan, attend: Attend, q: Any, k: Any, v: Any,
 
     def later(s: Any, carry: Any) -> Any:
         acc, kv = carry
-        kv = _rotate(kv, plan)
+        kv = _rotate_in_place(kv, plan)
         return step((r - s) % plan.size, False, acc, kv), kv
 
     (o, lse), _ = jax.lax.fori_loop(1, plan.size, later, (acc, kv))

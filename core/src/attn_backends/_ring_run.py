@@ -8,9 +8,10 @@ per-block call the ring will make (so explain shows why a backend cannot run
 in a ring, e.g. no ``return_lse``, or no ``lengths`` when kv_lengths are given).
 
 Causal calls are balanced with the zigzag order: q, k, v arrive split in
-contiguous slices (device r holds chunks 2r and 2r+1 of 2P); two ``ppermute``
-per array move them so device r holds chunks r and 2P-1-r, and the output
-moves back the same way. Users see ordinary contiguous sharding.
+contiguous slices (device r holds chunks 2r and 2r+1 of 2P); ``ppermute``
+moves them, one sub-chunk at a time into place, so device r holds chunks r
+and 2P-1-r, and the output moves back (whole chunks: by then nothing else is
+live). Users see ordinary contiguous sharding.
 """
 
 from __future__ import annotations
@@ -151,15 +152,52 @@ def _zigzag_perms(p: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]
     return [(r, home(2 * r)) for r in range(p)], [(r, home(2 * r + 1)) for r in range(p)]
 
 
-def _to_zigzag(x: Any, axis: str, p: int, dim: int) -> Any:
-    """Contiguous chunks (2r, 2r+1) on device r -> zigzag chunks (r, 2P-1-r)."""
-    first, second = jnp.split(x, 2, axis=dim)
+def _send_chunk(z: Any, x: Any, axis: str, perm: list[tuple[int, int]], src: Any, dst: Any,
+                pieces: int, dim: int) -> Any:
+    """Send the chunk (half of ``dim``) of x at ``src`` along ``perm`` into z at ``dst``.
+
+    Piece by piece, each written in place: only one piece is in flight, not
+    a copy of the chunk.
+    """
+    n = x.shape[dim] // 2 // pieces
+
+    def one(j: Any, z: Any) -> Any:
+        part = jax.lax.dynamic_slice_in_dim(x, src + j * n, n, dim)
+        part = jax.lax.ppermute(part, axis, perm)
+        return jax.lax.dynamic_update_slice_in_dim(z, part, dst + j * n, dim)
+
+    return jax.lax.fori_loop(0, pieces, one, z)
+
+
+def _zigzag_pieces(x: Any, axis: str, p: int, dim: int, pieces: int) -> Any:
+    """Contiguous chunks (2r, 2r+1) on device r -> zigzag chunks (r, 2P-1-r),
+    each chunk sent in ``pieces`` pieces (see :func:`_send_chunk`)."""
+    half = x.shape[dim] // 2
     even_perm, odd_perm = _zigzag_perms(p)
-    a = jax.lax.ppermute(first, axis, even_perm)   # even chunks
-    b = jax.lax.ppermute(second, axis, odd_perm)   # odd chunks
     # Device d holds chunk d first: even d gets it from the even chunks.
     even = jax.lax.axis_index(axis) % 2 == 0
-    return jnp.concatenate([jnp.where(even, a, b), jnp.where(even, b, a)], axis=dim)
+    z = _send_chunk(jnp.zeros_like(x), x, axis, even_perm, 0, jnp.where(even, 0, half),
+                    pieces, dim)
+    return _send_chunk(z, x, axis, odd_perm, half, jnp.where(even, half, 0), pieces, dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _to_zigzag(x: Any, axis: str, p: int, dim: int, pieces: int) -> Any:
+    """:func:`_zigzag_pieces`, differentiable. A permutation, so its VJP is the
+    inverse permutation; JAX's own VJP of the piece loop would keep every
+    piece as a residual."""
+    return _zigzag_pieces(x, axis, p, dim, pieces)
+
+
+def _to_zigzag_fwd(x: Any, axis: str, p: int, dim: int, pieces: int) -> tuple[Any, None]:
+    return _zigzag_pieces(x, axis, p, dim, pieces), None
+
+
+def _to_zigzag_bwd(axis: str, p: int, dim: int, pieces: int, _: None, ct: Any) -> tuple[Any]:
+    return (_from_zigzag(ct, axis, p, dim),)
+
+
+_to_zigzag.defvjp(_to_zigzag_fwd, _to_zigzag_bwd)
 
 
 def _from_zigzag(x: Any, axis: str, p: int, dim: int) -> Any:
@@ -204,8 +242,8 @@ def _ring_callable(backend: Backend, options: Any, call: AttentionCall, layout: 
     def body(q: Any, k: Any, v: Any, ops: dict[str, Any]) -> Any:
         ext = {n: ops[n] for n in ("q_segment_ids", "kv_segment_ids", "kv_lengths") if n in ops}
         if plan.zigzag:
-            q, k, v = (_to_zigzag(x, axis, p, 1) for x in (q, k, v))
-            ext = {n: x if n == "kv_lengths" else _to_zigzag(x, axis, p, 1)
+            q, k, v = (_to_zigzag(x, axis, p, 1, plan.splits) for x in (q, k, v))
+            ext = {n: x if n == "kv_lengths" else _zigzag_pieces(x, axis, p, 1, plan.splits)
                    for n, x in ext.items()}
         out, lse = ring(q, k, v, ext)
         if "q_lengths" in ops:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -68,8 +69,10 @@ class Attention:
         pinned = f" backend={self.backend_name!r}" if self.backend_name else ""
         return f"<Attention platform={self.platform!r}{pinned} fallback={self.fallback!r}>"
 
-    def explain_call(self, call: AttentionCall) -> Explanation:
-        """Verdicts for an already-bound call."""
+    def explain_call(
+        self, call: AttentionCall, call_for: Callable[[Backend], AttentionCall] | None = None
+    ) -> Explanation:
+        """Verdicts for an already-bound call (``call_for``: see :func:`select`)."""
         backends = self.registry.backends
         if self.backend_name is not None:
             backends = {self.backend_name: self.registry.backend(self.backend_name)}
@@ -83,6 +86,7 @@ class Attention:
             prefer=self.prefer,
             distributions={name: origin.distribution for name, origin in origins.items()},
             probe=self.registry.probe,
+            call_for=call_for,
         )
 
     def explain(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Explanation:

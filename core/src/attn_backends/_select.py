@@ -112,19 +112,24 @@ def select(
     prefer: Sequence[str] = (),
     distributions: dict[str, str] | None = None,
     probe: Probe | None = None,
+    call_for: Callable[[Backend], AttentionCall] | None = None,
 ) -> Explanation:
     """Judge every backend for ``call`` on ``platform`` and choose the first survivor.
 
     Steps: manifest filter, jax version range, ``check(call)``, then the probe
-    (only when the platform is present and a probe is given).
+    (only when the platform is present and a probe is given). ``call_for``
+    gives the call a backend will really receive when that differs from
+    ``call`` (a backend run per device sees the per-device shapes); checks and
+    probes judge that call.
     """
     verdicts = []
     chosen = None
     for backend in rank(backends, platform, prefer):
-        reasons = _reasons(backend, call, platform, jax_version)
+        judged = call if call_for is None else call_for(backend)
+        reasons = _reasons(backend, judged, platform, jax_version)
         probed = None
         if not reasons and probe is not None and present:
-            outcome = probe(backend, call, platform)
+            outcome = probe(backend, judged, platform)
             probed = outcome is not None
             reasons = list(outcome or ())
         accepted = not reasons

@@ -374,13 +374,20 @@ def explain_sharded(attention: Attention, call: AttentionCall, layout: Layout) -
         from ._ring_run import explain_ring
 
         return explain_ring(attention, call, layout)
-    base = attention.explain_call(call)
+    local = _local(call, layout)
+
+    def call_for(backend: Backend) -> AttentionCall:
+        # A backend XLA cannot partition runs per device: judge what it will see.
+        return call if backend.capabilities.partitionable else local
+
+    base = attention.explain_call(call, call_for)
     plan = layout.describe()
     if base.chosen is not None:
         chosen = attention.registry.backend(base.chosen)
         how = (
             "partitionable: XLA partitions it" if chosen.capabilities.partitionable
-            else "not partitionable: run per device in shard_map over the batch/head axes"
+            else "not partitionable: run per device in shard_map over the batch/head axes, "
+            f"each device calling it with {local.describe()}"
         )
         plan += f"; {base.chosen} is {how}"
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}

@@ -134,6 +134,15 @@ def test_k_sharded_unlike_q_is_an_error(md_registry):
     ks = jax.device_put(k, NamedSharding(mesh, P("dp")))
     with pytest.raises(ValueError, match=r"k: sharded as .*expected the same spec as q"):
         md_registry.get()(qs, ks, ks)
+    # With spec= given, every one of q, k and v is held to it.
+    asked = md_registry.get(mesh=mesh, spec=SPEC)
+    kv = jax.device_put(k, NamedSharding(mesh, SPEC))
+    with pytest.raises(ValueError, match=r"k: sharded as .*but spec=.* was asked for"):
+        asked(qs, ks, kv)
+    with pytest.raises(ValueError, match=r"v: sharded as .*but spec=.* was asked for"):
+        asked(qs, kv, ks)
+    with pytest.raises(ValueError, match=r"q: sharded as .*but spec=.* was asked for"):
+        asked(jax.device_put(q, NamedSharding(mesh, P("dp"))), kv, kv)
 
 
 def _per_device_registry(check) -> ab.Registry:

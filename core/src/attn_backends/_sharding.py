@@ -156,12 +156,13 @@ def resolve_layout(request: ShardingRequest | None, q: Any, k: Any, v: Any) -> L
     request = request or ShardingRequest()
     mesh, spec = request.mesh, request.spec
     if spec is not None:
-        _, actual = _spec_from("q", q)
-        if actual is not None and any(actual) and _padded(actual) != _padded(spec):
-            raise ValueError(
-                f"q: sharded as {actual}, but spec={spec} was asked for; serving it would "
-                "move q, k, v between devices: reshard them first, or drop spec="
-            )
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _, actual = _spec_from(name, x)
+            if actual is not None and any(actual) and _padded(actual) != _padded(spec):
+                raise ValueError(
+                    f"{name}: sharded as {actual}, but spec={spec} was asked for; serving it "
+                    "would move q, k, v between devices: reshard them first, or drop spec="
+                )
     else:
         found_mesh, spec = _spec_from("q", q)
         for name, x in (("k", k), ("v", v)):

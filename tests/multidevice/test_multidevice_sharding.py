@@ -145,33 +145,34 @@ def test_k_sharded_unlike_q_is_an_error(md_registry):
         asked(jax.device_put(q, NamedSharding(mesh, P("dp"))), kv, kv)
 
 
-def _per_device_registry(check) -> ab.Registry:
-    """A non-partitionable and a partitionable fake with the same ``check``,
-    above a plain partitionable fallback."""
+def _per_device_setup(check):
+    """A non-partitionable and a partitionable fake with the same ``check``, above
+    a plain partitionable fallback; their Attention, sharded inputs and causal
+    explanation. B=2 over dp=2 and heads 8/4 over tp=4: each device calls with
+    batch 1, 2 query heads and 1 kv head."""
     from _support import Plugin, make_backend
 
     fakes = (make_backend("per_device", priority=30, partitionable=False, check=check),
              make_backend("partitioned", priority=20, partitionable=True, check=check),
              make_backend("plain", priority=10, partitionable=True))
-    return ab.Registry(plugins=[Plugin(*fakes)], autoload=False, probe=None)
+    registry = ab.Registry(plugins=[Plugin(*fakes)], autoload=False, probe=None)
+    mesh = _mesh()
+    att = registry.get(mesh=mesh, fallback="silent")
+    args = [jax.device_put(x, NamedSharding(mesh, SPEC)) for x in _inputs()]
+    explanation = att.explain(*args, causal=True)
+    return att, args, explanation, {v.backend: v for v in explanation.verdicts}
 
 
 def test_a_backend_run_per_device_is_judged_on_the_call_each_device_makes():
     def batch_one(call):
         return [] if call.batch == 1 else [f"serves batch 1 only, got {call.batch}"]
 
-    mesh = _mesh()
-    sharding = NamedSharding(mesh, SPEC)
-    # B=2 over dp=2: each device calls with batch 1, heads 8/4 over tp=4: 2 and 1.
-    att = _per_device_registry(batch_one).get(mesh=mesh, fallback="silent")
-    q, k, v = (jax.device_put(x, sharding) for x in _inputs())
-    explanation = att.explain(q, k, v, causal=True)
-    verdicts = {v.backend: v for v in explanation.verdicts}
+    att, args, explanation, verdicts = _per_device_setup(batch_one)
     assert explanation.chosen == "per_device", str(explanation)
     assert "each device calling it with q[1,32,2,64] kv[1,32,1,64/64]" in str(explanation)
     # The partitionable one really gets the whole call, and cannot serve it.
     assert verdicts["partitioned"].reasons == ("serves batch 1 only, got 2",)
-    out = jax.jit(lambda q, k, v: att(q, k, v, causal=True))(q, k, v)
+    out = jax.jit(lambda q, k, v: att(q, k, v, causal=True))(*args)
     np.testing.assert_allclose(out, oracle(*_inputs(), causal=True)[0], atol=2e-5)
 
 
@@ -179,11 +180,6 @@ def test_a_backend_run_per_device_is_refused_when_the_per_device_call_is_not_ser
     def eight_heads(call):
         return [] if call.q_heads == 8 else [f"needs 8 query heads, got {call.q_heads}"]
 
-    mesh = _mesh()
-    sharding = NamedSharding(mesh, SPEC)
-    att = _per_device_registry(eight_heads).get(mesh=mesh, fallback="silent")
-    q, k, v = (jax.device_put(x, sharding) for x in _inputs())
-    explanation = att.explain(q, k, v)
-    verdicts = {v.backend: v for v in explanation.verdicts}
+    _, _, explanation, verdicts = _per_device_setup(eight_heads)
     assert verdicts["per_device"].reasons == ("needs 8 query heads, got 2",)
     assert explanation.chosen == "partitioned", str(explanation)

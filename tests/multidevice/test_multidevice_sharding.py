@@ -66,6 +66,39 @@ def test_sharded_forward_and_grad_match_oracle_without_collectives(md_registry, 
         np.testing.assert_allclose(got, want[key], atol=5e-5, err_msg=key)
 
 
+@pytest.mark.parametrize("name", ["xla_native", "reference"])
+def test_partitionable_backends_on_explicit_axes(md_registry, name):
+    # jax.make_mesh's default axes are Explicit: eager, and jit and grad under
+    # set_mesh (as docs/MANY_CHIPS.md tells users), with GQA and return_lse.
+    mesh = _mesh()
+    sharding = NamedSharding(mesh, SPEC)
+    att = md_registry.get(backend=name)
+    q, k, v = _inputs(4)
+    d_out = np.random.default_rng(5).standard_normal((B, T, HQ, D)).astype(np.float32)
+    args = [jax.device_put(x, sharding) for x in (q, k, v)]
+    want_out, want_lse = oracle(q, k, v, causal=True)
+
+    out, lse = att(*args, causal=True, return_lse=True)
+    np.testing.assert_allclose(out, want_out, atol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5)
+    assert out.sharding.spec == SPEC
+    assert lse.sharding.spec == P("dp", "tp", None)
+
+    def loss(q, k, v):
+        return jnp.sum(att(q, k, v, causal=True) * d_out)
+
+    with jax.sharding.set_mesh(mesh):
+        fwd = jax.jit(lambda q, k, v: att(q, k, v, causal=True)).lower(*args).compile()
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    for fn in (fwd, grad):
+        assert _collectives(fn.as_text()) == set()
+    np.testing.assert_allclose(fwd(*args), want_out, atol=2e-5)
+    want = oracle_vjp(q, k, v, d_out, causal=True)
+    for got, key in zip(grad(*args), "qkv", strict=True):
+        np.testing.assert_allclose(got, want[key], atol=5e-5, err_msg=key)
+        assert got.sharding.spec == SPEC, key
+
+
 def test_flash_pallas_runs_inside_shard_map(md_registry):
     mesh = _mesh(AxisType.Auto)
     att = md_registry.get(backend="flash_pallas", mesh=mesh, spec=SPEC)

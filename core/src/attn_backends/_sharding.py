@@ -11,12 +11,12 @@ does not. The mesh is ``mesh=``, else the sharding's own, else the abstract
 mesh in context (``jax.sharding.set_mesh``).
 
 Backends whose manifest says ``partitionable`` are called as usual and XLA
-partitions them; the others (Pallas kernels are custom calls) run inside a
-``shard_map`` over the batch and head axes, each device calling the backend
-on its own examples and heads, so nothing is gathered. kv head ``h`` stays with
-its query heads because heads are split into equal contiguous slices and the
-number of kv heads must divide by the head axes' size (else a ValueError names
-the axis).
+partitions them (on Explicit axes inside ``jax.sharding.auto_axes``); the
+others (Pallas kernels are custom calls) run inside a ``shard_map`` over the
+batch and head axes, each device calling the backend on its own examples and
+heads, so nothing is gathered. kv head ``h`` stays with its query heads
+because heads are split into equal contiguous slices and the number of kv
+heads must divide by the head axes' size (else a ValueError names the axis).
 """
 
 from __future__ import annotations
@@ -292,15 +292,19 @@ def present(operands: Operands) -> dict[str, Any]:
     return {name: x for name, x in operands._asdict().items() if x is not None}
 
 
+def _explicit(layout: Layout, axes: list[str] | tuple[str, ...]) -> bool:
+    """Whether any of ``axes`` is an Explicit axis of the layout's mesh."""
+    types = dict(zip(layout.mesh.axis_names, layout.mesh.axis_types, strict=True))
+    return any(types[a] == jax.sharding.AxisType.Explicit for a in axes)
+
+
 def place(layout: Layout, x: Any, spec: PartitionSpec) -> Any:
     """``x`` laid out as ``spec``, as shard_map needs on Explicit mesh axes.
 
     Auto axes need nothing (shard_map reshards its inputs). An array already so
     sharded is unchanged; a replicated one is sliced, never gathered.
     """
-    types = dict(zip(layout.mesh.axis_names, layout.mesh.axis_types, strict=True))
-    used = [a for entry in spec for a in _axes(entry)]
-    if not any(types[a] == jax.sharding.AxisType.Explicit for a in used):
+    if not _explicit(layout, [a for entry in spec for a in _axes(entry)]):
         return x
     if isinstance(layout.mesh, jax.sharding.Mesh):
         return jax.sharding.reshard(x, jax.sharding.NamedSharding(layout.mesh, spec))
@@ -350,6 +354,25 @@ def run_split(backend: Backend, options: Any, call: AttentionCall, layout: Layou
     return fn(q, k, v, ops)
 
 
+def _run_partitioned(attention: Attention, backend: Backend, call: AttentionCall, layout: Layout,
+                     q: Any, k: Any, v: Any, operands: Operands) -> Any:
+    """Run a partitionable backend on the global arrays and let XLA partition it.
+
+    "Partitionable" promises XLA's automatic partitioning, not sharding in
+    types: a backend's loops and reshapes need not carry Explicit shardings
+    (xla_native's loop carries do not). So on Explicit axes the backend runs
+    with the mesh's axes Auto (``jax.sharding.auto_axes``), and its output
+    comes back laid out as q (lse as ``[B, H, T]`` with the same axes).
+    """
+    run = functools.partial(attention.run_backend, backend, call)
+    if not _explicit(layout, (*layout.batch, *layout.heads)):
+        return run(q, k, v, operands)
+    out = jax.sharding.NamedSharding(layout.mesh, layout.qkv_spec)
+    if call.return_lse:
+        out = (out, jax.sharding.NamedSharding(layout.mesh, layout.lse_spec))
+    return jax.sharding.auto_axes(run, out_sharding=out)(q, k, v, operands)
+
+
 def sharded_attention(attention: Attention, call: AttentionCall, layout: Layout,
                       q: Any, k: Any, v: Any, operands: Operands) -> Any:
     """Serve ``call`` laid out as ``layout``: ring, XLA-partitioned, or shard_map'd."""
@@ -362,7 +385,7 @@ def sharded_attention(attention: Attention, call: AttentionCall, layout: Layout,
 
     backend = attention.backend_for(call, layout)
     if backend.capabilities.partitionable:
-        return attention.run_backend(backend, call, q, k, v, operands)
+        return _run_partitioned(attention, backend, call, layout, q, k, v, operands)
     q, k, v, operands = _guard_gradients(backend, q, k, v, operands)
     options = attention.backend_options.get(backend.name)
     return run_split(backend, options, call, layout, q, k, v, operands)

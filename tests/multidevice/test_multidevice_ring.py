@@ -87,6 +87,20 @@ def test_ring_cross_attention_in_sub_chunks(md_registry):
     _check(att, _mesh(), [q, k, v, d_out, d_lse], {"kv_lengths": kv_lengths}, 2e-5)
 
 
+def test_ring_sub_chunks_of_a_prime_chunk_length_stay_whole(md_registry):
+    # T = 2 x 4 devices x 11: causal chunks of 11 tokens, a prime with no divisor
+    # near ring_block=8. One 11-token sub-chunk per chunk, not eleven 1-token
+    # calls (121 per pair: a prime chunk of 1031 at the default 1024 made
+    # millions).
+    mesh = _mesh()
+    att = md_registry.get(backend="xla_native", mesh=mesh, sequence_axis="sp", ring_block=8)
+    q = jax.ShapeDtypeStruct((2, 88, 2, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((2, 88, 1, 16), jnp.float32)
+    text = str(att.explain(q, kv, kv, causal=True))
+    assert "the backend gets q[2,11,2,16] kv[2,11,1,16/16]" in text
+    _check(att, mesh, _data(5, 2, 88, 2, 1, 16), {"causal": True}, 2e-5)
+
+
 def test_ring_over_flash_pallas_interpret(md_registry):
     att = md_registry.get(backend="flash_pallas", sequence_axis="sp")
     kv_lengths = np.array([64, 37], np.int32)

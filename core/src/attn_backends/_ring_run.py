@@ -42,10 +42,25 @@ RING_BLOCK = 1024
 
 
 def _splits(q_len: int, kv_len: int, block: int) -> int:
-    """Fewest sub-chunks dividing both lengths evenly, none longer than ``block``."""
+    """How many sub-chunks to cut a ``(q_len, kv_len)`` chunk pair into.
+
+    Sub-chunks divide both lengths evenly (each backend call has one static
+    shape): the fewest no longer than ``block``. When those would be shorter
+    than ``block / 2`` (a length with no divisor near ``block``, such as a
+    prime, would otherwise fall to one-token calls, millions of them), the
+    shortest sub-chunks longer than ``block`` instead: an awkward length costs
+    memory, not time.
+    """
     g = math.gcd(q_len, kv_len)
-    fits = (n for n in range(1, g + 1) if g % n == 0 and max(q_len, kv_len) // n <= block)
-    return next(fits, g)
+    longest = max(q_len, kv_len)
+    divisors = [n for n in range(1, g + 1) if g % n == 0]
+    fitting = [n for n in divisors if longest // n <= block]
+    if not fitting:
+        return g
+    n = fitting[0]
+    if n == 1 or 2 * (longest // n) >= block:
+        return n
+    return max(d for d in divisors if d < n)
 
 
 def ring_plan(call: AttentionCall, layout: Layout) -> RingPlan:

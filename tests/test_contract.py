@@ -59,6 +59,9 @@ def _raises(match: str, *args, **kwargs):
         (Q, jnp.zeros((3, 10, 2, 8)), jnp.zeros((3, 10, 2, 16)), r"batch: expected q, k, v to share B, got 2, 3, 3"),
         (jnp.zeros((2, 6, 4, 0)), jnp.zeros((2, 10, 2, 0)), V, r"q: expected at least one head and a head dim >= 1, got Hq=4, D=0"),
         (jnp.zeros((2, 6, 0, 8)), K, V, r"q: expected at least one head and a head dim >= 1, got Hq=0, D=8"),
+        # Abstract shapes can hold what no array can: found before any backend or probe runs.
+        (jax.ShapeDtypeStruct((2, -6, 4, 8), jnp.float32), K, V, r"q: expected sizes >= 0, got shape \[2, -6, 4, 8\]"),
+        (Q, K, jax.ShapeDtypeStruct((2, 10, 2, -3), jnp.float32), r"v: expected sizes >= 0, got shape \[2, 10, 2, -3\]"),
     ],
 )
 def test_bad_shapes(q, k, v, match):
@@ -102,8 +105,9 @@ def test_not_an_array():
         ({"window": (1.5, 2)}, r"window: left side must be an int or None, got 1.5"),
         ({"softcap": 0.0}, r"softcap: expected a finite value > 0, got 0.0"),
         ({"softcap": -3.0}, r"softcap: expected a finite value > 0, got -3.0"),
-        ({"scale": float("nan")}, r"scale: expected a finite number, got nan"),
-        ({"scale": float("inf")}, r"scale: expected a finite number, got inf"),
+        ({"scale": float("nan")}, r"scale: expected a finite number within float32.s range, got nan"),
+        ({"scale": float("inf")}, r"scale: expected a finite number within float32.s range, got inf"),
+        ({"scale": 1e39}, r"scale: expected a finite number within float32's range, got 1e\+39"),
         ({"scale": jnp.float32(0.5)}, r"scale: expected a static Python float"),
         ({"causal": 1}, r"causal: expected a Python bool .* got int\. Under jit, mark it static"),
     ],

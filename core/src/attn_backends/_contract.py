@@ -31,6 +31,7 @@ FEATURES = (
     "return_lse",
 )
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,9 @@ def _check_qkv(q: Any, k: Any, v: Any) -> None:
             f"q, k, v: expected one dtype, got q={dtypes['q']}, k={dtypes['k']}, "
             f"v={dtypes['v']}. Cast them to the same dtype."
         )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if any(n < 0 for n in _shape(x)):
+            raise ValueError(f"{name}: expected sizes >= 0, got shape {list(_shape(x))}")
     (bq, tq, hq, d), (bk, tk, hk, dk), (bv, tv, hv, _) = map(_shape, (q, k, v))
     layout_hint = (
         " The layout is BTNH [B, T, H, D]; a [B, H, T, D] array must be "
@@ -221,8 +225,9 @@ def _check_scale(scale: Any, d: int) -> float:
             f"scale: expected a static Python float (it is part of the compiled "
             f"program), got {type(scale).__name__}. Pass float(scale)."
         )
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale: expected a finite number, got {scale}")
+    # Logits are float32 at best: a scale float32 cannot hold is inf there.
+    if not math.isfinite(float(scale)) or abs(float(scale)) > _FLOAT32_MAX:
+        raise ValueError(f"scale: expected a finite number within float32's range, got {scale}")
     return float(scale)
 
 

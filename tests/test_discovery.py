@@ -17,6 +17,7 @@ import jax
 import pytest
 
 import attn_backends as ab
+from attn_backends import _discovery
 from _support import make_dist
 
 @pytest.fixture
@@ -63,6 +64,9 @@ def test_strict_mode_raises_instead(site, monkeypatch):
         ("raise RuntimeError('device query failed')", r"attn_backends_register\(\) raised RuntimeError: device query failed"),
         ("return [object()]", r"returned object, expected an attn_backends.Backend instance"),
         ("return B()", r"attn_backends_register\(\) must return a list of Backend, got B"),
+        # A manifest that raises when read (say, from a malformed env var).
+        ("return [type('C', (B,), {'capabilities': property(lambda self: 1 / 0)})()]",
+         r"backend C: reading its manifest raised ZeroDivisionError: division by zero"),
     ],
 )
 def test_hook_that_raises_or_returns_junk_is_skipped(site, body, match):
@@ -132,6 +136,18 @@ def test_no_autoload_loads_no_entry_points_but_keeps_in_process_plugins(site, mo
     reg = ab.Registry(plugins=[Plugin(make_backend("inproc"))])
     assert list(reg.backends) == ["inproc"]
     assert reg.origins["inproc"].distribution == "<in-process>"
+
+
+@pytest.mark.parametrize("value,autoload,strict", [("false", True, False), ("no", True, False),
+                                                   ("Off", True, False), ("yes", False, True)])
+def test_boolean_environment_variables_read_words(monkeypatch, value, autoload, strict):
+    monkeypatch.setenv("ATTN_BACKENDS_NO_AUTOLOAD", value)
+    monkeypatch.setenv("ATTN_BACKENDS_STRICT", value)
+    settings = _discovery.Settings.from_env()
+    assert (settings.autoload, settings.strict) == (autoload, strict)
+    monkeypatch.setenv("ATTN_BACKENDS_STRICT", "maybe")
+    with pytest.raises(ValueError, match=r"ATTN_BACKENDS_STRICT: expected 1/0 .* got 'maybe'"):
+        _discovery.Settings.from_env()
 
 
 def test_plugin_that_changes_jax_config_at_import_is_reported(site):

@@ -80,8 +80,8 @@ class Settings:
             return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
         env = {
-            "autoload": os.environ.get("ATTN_BACKENDS_NO_AUTOLOAD", "") in ("", "0"),
-            "strict": os.environ.get("ATTN_BACKENDS_STRICT", "") not in ("", "0"),
+            "autoload": not _env_flag("ATTN_BACKENDS_NO_AUTOLOAD"),
+            "strict": _env_flag("ATTN_BACKENDS_STRICT"),
             "only": names("ATTN_BACKENDS_ONLY"),
             "disable": names("ATTN_BACKENDS_DISABLE") or frozenset(),
         }
@@ -90,6 +90,16 @@ class Settings:
 
     def allows(self, name: str) -> bool:
         return name not in self.disable and (self.only is None or name in self.only)
+
+
+def _env_flag(var: str) -> bool:
+    """A boolean environment variable: unset, 0/false/no/off or 1/true/yes/on."""
+    value = os.environ.get(var, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{var}: expected 1/0 (or true/false, yes/no, on/off), got {value!r}")
 
 
 def _entry_points() -> list[metadata.EntryPoint]:
@@ -211,7 +221,11 @@ class Loader:
             )
             return
         for item in returned:
-            reason = self._invalid(item)
+            try:
+                reason = self._invalid(item)
+            except Exception as exc:  # noqa: BLE001 - reported, other backends still load
+                reason = (f"backend {type(item).__name__}: reading its manifest raised "
+                          f"{type(exc).__name__}: {exc}")
             if reason:
                 self.problem(origin, reason)
             elif self.settings.allows(item.name):

@@ -244,6 +244,29 @@ def test_real_probe_compares_forward_only_for_a_non_differentiable_backend():
     assert verdict == []
 
 
+def test_probe_compares_lse_when_the_call_returns_it():
+    from attn_backend_reference import ReferenceBackend
+    from attn_backend_reference._dense import dense_attention
+
+    def zero_lse(call, q, k, v, operands):
+        result = dense_attention(call, q, k, v, operands)
+        return (result[0], jnp.zeros_like(result[1])) if call.return_lse else result
+
+    liar = make_backend("zero_lse", attend=zero_lse)
+    q, k, v = qkv()
+    # kv_lengths of 0 give rows with lse -inf in both: those must compare equal.
+    lengths = np.array([0, 5], np.int32)
+    honest = make_backend("honest")
+    assert _probe.run_probe(
+        honest, ReferenceBackend(), ab.bind(q, k, v, kv_lengths=lengths, return_lse=True)[0], "cpu"
+    ) == []
+    call = ab.bind(q, k, v, return_lse=True)[0]
+    reasons = _probe.run_probe(liar, ReferenceBackend(), call, "cpu")
+    assert len(reasons) == 1 and reasons[0].startswith("probe: lse differs from the reference")
+    # Without return_lse its out is all that is used, and that is right.
+    assert _probe.run_probe(liar, ReferenceBackend(), ab.bind(q, k, v)[0], "cpu") == []
+
+
 def test_probe_retries_longer_shapes_when_check_rejects_the_short_one():
     from attn_backend_reference import ReferenceBackend
 

@@ -84,12 +84,21 @@ def _relative_error(got: Any, want: Any) -> float:
     return float(np.max(np.abs(got - want), initial=0.0)) / scale
 
 
+def _finite_rows(got: Any, want: Any) -> tuple[Any, Any]:
+    """lse with rows that see no key (``-inf`` in both) set to 0 so they compare
+    equal; a row ``-inf`` in only one of them stays non-finite and fails."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    empty = np.isneginf(got) & np.isneginf(want)
+    return np.where(empty, 0.0, got), np.where(empty, 0.0, want)
+
+
 def run_probe(
     backend: Backend, reference: Backend, call: AttentionCall, platform: str
 ) -> list[str] | None:
     """Compare ``backend`` with ``reference`` on a shrunken ``call``.
 
-    Forward, and the gradient w.r.t. q when the backend is differentiable.
+    Forward (out, and lse when the call returns it), and the gradient w.r.t.
+    q when the backend is differentiable.
     Returns the reasons they differ (empty: they agree), or None when the
     backend's ``check`` rejects every probe shape (nothing to compare).
     """
@@ -105,22 +114,30 @@ def run_probe(
     q, k, v, ops, d_out = _probe_call.arrays(small)
     with_grad = backend.capabilities.differentiable
 
-    def outputs(impl: Backend) -> tuple[Any, ...]:
-        def f(q: Any) -> Any:
+    def outputs(impl: Backend) -> dict[str, Any]:
+        def f(q: Any) -> tuple[Any, Any]:
             result = impl.attend(small, q, k, v, ops)
-            return result[0] if small.return_lse else result
+            return result if small.return_lse else (result, None)
 
-        if not with_grad:
-            return (f(q),)
-        out, vjp = jax.vjp(f, q)
-        return out, vjp(d_out)[0]
+        out, vjp, lse = jax.vjp(f, q, has_aux=True)
+        named = {"output": out}
+        if lse is not None:
+            # Ring attention and split-KV merging trust lse as much as out.
+            named["lse"] = lse
+        if with_grad:
+            named["dq"] = vjp(d_out)[0]
+        return named
 
     with jax.default_device(jax.devices(platform)[0]):
         got = jax.jit(lambda: outputs(backend))()
         want = jax.jit(lambda: outputs(reference))()
     tol = TOLERANCE[call.dtype]
     reasons = []
-    for what, g, w in zip(("output", "dq"), got, want):
+    # jit returns dicts with sorted keys: report in the order of the contract.
+    for what in (name for name in ("output", "lse", "dq") if name in want):
+        g, w = got[what], want[what]
+        if what == "lse":
+            g, w = _finite_rows(g, w)
         err = _relative_error(g, w)
         if not err <= tol:
             reasons.append(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 
 import jax
@@ -103,6 +105,29 @@ def test_selection_runs_once_per_signature_at_trace_time(fake_registry):
     assert len(checks) == 1
     step(q[:, :4], k, v)  # new shape: one more selection
     assert len(checks) == 2
+
+
+def test_threads_tracing_one_signature_at_once_select_and_warn_once(fake_registry):
+    checks = []
+
+    def slow_refusal(call):
+        checks.append(call)
+        time.sleep(0.2)  # keep the first selection running while the others arrive
+        return ["cannot today"]
+
+    reg = fake_registry(make_backend("busy", priority=9, check=slow_refusal),
+                        make_backend("spare", priority=1))
+    att = reg.get(device="cpu")
+    call = ab.bind(*qkv())[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=att.backend_for, args=(call,)) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(checks) == 1
+    assert [w.category for w in caught] == [ab.FallbackWarning]
 
 
 def test_selection_cache_is_bounded(fake_registry, monkeypatch):

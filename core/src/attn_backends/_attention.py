@@ -64,6 +64,9 @@ class Attention:
             OrderedDict()
         )
         self._lock = threading.Lock()
+        # Held while a new signature is selected, so threads tracing the same
+        # signature at once select, probe and warn once (others wait for it).
+        self._selecting = threading.RLock()
 
     def __repr__(self) -> str:
         pinned = f" backend={self.backend_name!r}" if self.backend_name else ""
@@ -100,20 +103,29 @@ class Attention:
     def backend_for(self, call: AttentionCall, layout: Layout | None = None) -> Backend:
         """The backend serving ``call`` (laid out as ``layout``), selecting on first sight."""
         key = (self.registry.generation, call, layout)
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        with self._selecting:
+            cached = self._cached(key)
+            if cached is not None:
+                return cached
+            explanation = (
+                self.explain_call(call) if layout is None else explain_sharded(self, call, layout)
+            )
+            chosen = self._choose(call, explanation)
+            with self._lock:
+                self._selections[key] = chosen
+                while len(self._selections) > SELECTION_CACHE_SIZE:
+                    self._selections.popitem(last=False)
+        return chosen
+
+    def _cached(self, key: tuple[int, AttentionCall, Layout | None]) -> Backend | None:
         with self._lock:
             cached = self._selections.get(key)
             if cached is not None:
                 self._selections.move_to_end(key)
-                return cached
-        explanation = (
-            self.explain_call(call) if layout is None else explain_sharded(self, call, layout)
-        )
-        chosen = self._choose(call, explanation)
-        with self._lock:
-            self._selections[key] = chosen
-            while len(self._selections) > SELECTION_CACHE_SIZE:
-                self._selections.popitem(last=False)
-        return chosen
+            return cached
 
     def _choose(self, call: AttentionCall, explanation: Explanation) -> Backend:
         if explanation.chosen is None:

@@ -110,3 +110,50 @@ def test_bench_times_each_backend_against_the_reference_and_plots(capsys, tmp_pa
     assert all(r["vs_reference"] == 1.0 for r in rows if r["backend"] == "reference")
     assert "[########################] 16/16" in captured.err  # 8 timings x (warm-up + 1 rep)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check", "reference", "--quick", "--json", "c.json", "--", "-k", "causal", "-x"],
+        ["check", "--quick", "--json", "c.json", "reference", "--", "-k", "causal", "-x"],
+    ],
+)
+def test_check_takes_its_options_before_or_after_the_name(monkeypatch, argv):
+    import attn_backends_contracts
+
+    seen = []
+    monkeypatch.setattr(attn_backends_contracts, "run_check",
+                        lambda *args: seen.append(args) or 0)
+    assert main(argv) == 0
+    assert seen == [("reference", "c.json", ["--attn-quick", "-k", "causal", "-x"])]
+
+
+def test_arguments_after_a_double_dash_are_only_for_check(capsys):
+    with pytest.raises(SystemExit):
+        main(["list", "--", "-x"])
+    assert "only for check" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["bench", "--reps", "0"], "argument --reps: expected an int >= 1, got 0"),
+        (["bench", "--seq", "0"], "--seq: expected sequence lengths >= 1, got 0"),
+        # flash_pallas cannot serve cpu unless its interpreter is switched on.
+        (["bench", "--backends", "flash_pallas", "--seq", "16", "--reps", "1"],
+         "nothing was timed"),
+    ],
+)
+def test_bench_refuses_what_it_cannot_time(capsys, monkeypatch, argv, message):
+    import attn_backends
+
+    monkeypatch.setenv("ATTN_BACKENDS_ONLY", "reference,flash_pallas")
+    monkeypatch.delenv("ATTN_BACKENDS_PALLAS_INTERPRET", raising=False)
+    monkeypatch.setattr(attn_backends, "registry", attn_backends.Registry())
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own exit for a bad option
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err

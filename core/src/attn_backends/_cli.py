@@ -34,6 +34,14 @@ def _window(text: str) -> tuple[int | None, int | None]:
     return left, right
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
@@ -185,12 +193,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not present:
         print(f"attn-backends bench: JAX sees no {platform} here", file=sys.stderr)
         return 2
+    seqs = [int(s) for s in args.seq.split(",")]
+    if min(seqs) < 1:
+        raise ValueError(f"--seq: expected sequence lengths >= 1, got {args.seq}")
     rows = _bench.run(
         _registry(), platform,
         backends=args.backends.split(",") if args.backends else None,
-        seqs=[int(s) for s in args.seq.split(",")], heads=args.heads, head_dim=args.head_dim,
+        seqs=seqs, heads=args.heads, head_dim=args.head_dim,
         dtype=args.dtype, causal=not args.no_causal, reps=args.reps,
     )
+    if not rows:
+        print("attn-backends bench: nothing was timed: no chosen backend can serve these "
+              "calls here (attn-backends explain says why)", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(_bench.as_dicts(rows), indent=2))
     else:
@@ -268,11 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
     p_bench.add_argument("--backends", default=None, help="comma-separated names (default: all)")
     p_bench.add_argument("--seq", default="512,1024,2048", help="sequence lengths, comma-separated")
-    p_bench.add_argument("--heads", type=int, default=8)
-    p_bench.add_argument("--head-dim", type=int, default=64)
+    p_bench.add_argument("--heads", type=_positive, default=8)
+    p_bench.add_argument("--head-dim", type=_positive, default=64)
     p_bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p_bench.add_argument("--no-causal", action="store_true")
-    p_bench.add_argument("--reps", type=int, default=5)
+    p_bench.add_argument("--reps", type=_positive, default=5)
     p_bench.add_argument("--json", action="store_true")
     p_bench.add_argument("--plot", default=None, metavar="FILE.png", help="needs attn-backends[plot]")
     p_bench.set_defaults(func=cmd_bench)
@@ -284,7 +299,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Split at "--" here: argparse cannot take `check NAME --quick -- -k x`
+    # (options between the name and the extra positionals).
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if extra:
+        if args.command != "check":
+            parser.error(f"arguments after -- are extra pytest arguments, only for check: {extra}")
+        args.pytest_args = [*args.pytest_args, *extra]
     try:
         return int(args.func(args))
     except (AttnBackendsError, ValueError) as exc:

@@ -278,6 +278,27 @@ def test_garbage_in_hidden_positions_changes_nothing() -> None:
         np.testing.assert_array_equal(jnp.where(hidden, 0, got), want)
 
 
+def test_float16_near_the_top_of_its_range() -> None:
+    rng = np.random.default_rng(6)
+    q, k, v, do = _make(rng, 1, 16, 16, 2, 2, 64)
+
+    def f16(x: np.ndarray, size: float) -> np.ndarray:
+        return np.asarray(x * size, np.float16)
+
+    # A scale of 4 folded into a q of about 1e4 would pass float16's 65504.
+    q_big, k_small = f16(q, 1e4), f16(k, 1e-3)
+    want, _ = attention(q_big, k_small, f16(v, 1), scale=4.0, causal=True)
+    got = _attend(q_big, k_small, f16(v, 1), scale=4.0, causal=True)
+    assert _err(got, want) < TOLERANCE["float16"][0]
+    # Loss-scaled output gradients: logit gradients reach about 1e5 while dq,
+    # dk and dv all fit in float16.
+    q, k, v, do = f16(q, 0.05), f16(k, 1), f16(v, 100), f16(do, 150)
+    want = attention_vjp(q, k, v, do, causal=True)
+    _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, causal=True), q, k, v)
+    for got, key in zip(vjp(jnp.asarray(do)), "qkv", strict=True):
+        assert _err(got, want[key]) < TOLERANCE["float16"][1], key
+
+
 def _garbage_changes_nothing(hidden: np.ndarray, **kw: Any) -> None:
     """Keys at ``hidden`` ([B, Tk]) are visible to no query: huge garbage
     there must leave output and dq bit-for-bit unchanged."""

@@ -86,9 +86,14 @@ def xla_native_backward(
                 dbias = lax.dynamic_update_slice(dbias, tile, start)
             if capped_t is not None:
                 ds_t = ds_t * (1.0 - capped_t * capped_t)
-            ds_t = ds_t.astype(dtype)
-            dk = dk + dot_nn(ds_t, q_tile)
-            dq_t_tile = lax.dynamic_index_in_dim(dq_t, qi, keepdims=False) + dot_nn(k_t_tile, ds_t)
+            # float16 tops out at 65504, which logit gradients pass under loss
+            # scaling even when dq and dk fit: its products stay float32.
+            ds_dtype = jnp.float32 if dtype == jnp.float16 else dtype
+            ds_t = ds_t.astype(ds_dtype)
+            dk = dk + dot_nn(ds_t, q_tile.astype(ds_dtype))
+            dq_t_tile = lax.dynamic_index_in_dim(dq_t, qi, keepdims=False) + dot_nn(
+                k_t_tile.astype(ds_dtype), ds_t
+            )
             dq_t = lax.dynamic_update_index_in_dim(dq_t, dq_t_tile, qi, 0)
             return dk, dv, dq_t, dbias
 

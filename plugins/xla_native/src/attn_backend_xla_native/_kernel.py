@@ -95,10 +95,11 @@ def _attention_fwd(
 
 def _fold_scale(plan: Plan) -> tuple[Plan, float]:
     """Scale q once instead of every logits tile, where that is exact enough:
-    in float32, or for a power-of-two scale (exact in any float format).
+    in float32, or for a power-of-two scale of at most 1 (exact in any float
+    format, and it cannot overflow a narrow q the way a scale of 4 can).
     Returns the plan to run with (scale 1 when folded) and the factor to
     apply to q (1 when not folded)."""
-    exact = math.frexp(plan.scale)[0] == 0.5
+    exact = math.frexp(plan.scale)[0] == 0.5 and abs(plan.scale) <= 1.0
     if plan.dtype != "float32" and not exact:
         return plan, 1.0
     return replace(plan, scale=1.0), plan.scale

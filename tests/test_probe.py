@@ -238,8 +238,20 @@ def test_probe_runs_in_the_callers_context():
 
 def test_real_probe_compares_forward_only_for_a_non_differentiable_backend():
     from attn_backend_reference import ReferenceBackend
+    from attn_backend_reference._dense import dense_attention
 
-    frozen = make_backend("frozen", priority=9, differentiable=False)
+    @jax.custom_jvp
+    def no_derivative(x):
+        return x
+
+    @no_derivative.defjvp
+    def _(primals, tangents):
+        raise AssertionError("the probe differentiated a backend that declares no gradients")
+
+    def forward_only(call, q, k, v, operands):
+        return no_derivative(dense_attention(call, q, k, v, operands))
+
+    frozen = make_backend("frozen", priority=9, differentiable=False, attend=forward_only)
     verdict = _probe.run_probe(frozen, ReferenceBackend(), ab.bind(*qkv(), causal=True)[0], "cpu")
     assert verdict == []
 

@@ -203,8 +203,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype, causal=not args.no_causal, reps=args.reps,
     )
     if not rows:
-        print("attn-backends bench: nothing was timed: no chosen backend can serve these "
-              "calls here (attn-backends explain says why)", file=sys.stderr)
+        print("attn-backends bench: nothing was timed: none of the backends asked for can "
+              "serve these calls here (attn-backends explain says why)", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(_bench.as_dicts(rows), indent=2))

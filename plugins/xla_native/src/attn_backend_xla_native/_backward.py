@@ -51,6 +51,9 @@ def xla_native_backward(
     and the padded bias gradient (float32) or None.
     """
     dtype = q.dtype
+    # float16 tops out at 65504, which logit gradients pass under loss
+    # scaling even when dq and dk fit: its products stay float32.
+    ds_dtype = jnp.float32 if dtype == jnp.float16 else dtype
     # The pass works on transposed tiles [block_kv, rows] so that all five
     # matmuls are NN; dQ is accumulated transposed, [n_q, B, Hkv, D, rows].
     # q and d_out are transposed per tile rather than copied whole: two
@@ -59,6 +62,7 @@ def xla_native_backward(
     def one_key_block(carry: tuple, args: tuple) -> tuple:
         kj, k_t_tile = args
         k_tile = k_t_tile.swapaxes(-1, -2)
+        k_t_wide = k_t_tile.astype(ds_dtype)  # once per key block, not per tile
         v_tile = kv_block(plan, v, kj)
 
         def body(qi: Array, inner: tuple, positional: bool) -> tuple:
@@ -86,14 +90,9 @@ def xla_native_backward(
                 dbias = lax.dynamic_update_slice(dbias, tile, start)
             if capped_t is not None:
                 ds_t = ds_t * (1.0 - capped_t * capped_t)
-            # float16 tops out at 65504, which logit gradients pass under loss
-            # scaling even when dq and dk fit: its products stay float32.
-            ds_dtype = jnp.float32 if dtype == jnp.float16 else dtype
             ds_t = ds_t.astype(ds_dtype)
             dk = dk + dot_nn(ds_t, q_tile.astype(ds_dtype))
-            dq_t_tile = lax.dynamic_index_in_dim(dq_t, qi, keepdims=False) + dot_nn(
-                k_t_tile.astype(ds_dtype), ds_t
-            )
+            dq_t_tile = lax.dynamic_index_in_dim(dq_t, qi, keepdims=False) + dot_nn(k_t_wide, ds_t)
             dq_t = lax.dynamic_update_index_in_dim(dq_t, dq_t_tile, qi, 0)
             return dk, dv, dq_t, dbias
 

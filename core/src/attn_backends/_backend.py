@@ -57,6 +57,18 @@ class Backend(abc.ABC):
         Raise :class:`UnsupportedError` for anything the backend cannot do.
         """
 
+    def tile_small_options(self, call: AttentionCall) -> Any:
+        """Options (as passed to :meth:`attend`) that cut ``call`` into the smallest
+        tiles the backend allows, or None when it does not tile.
+
+        The runtime probe and the conformance suite also run each call under
+        these, so a few dozen tokens cross several tiles and the bugs that live
+        between tiles (a lost online-softmax rescale, an accumulator overwritten
+        instead of summed, an off-by-one at a tile edge) show on small inputs.
+        Optional: added within api_version 1, defaults to None.
+        """
+        return None
+
     def priority_on(self, platform: str) -> int:
         """This backend's default priority on ``platform`` (0 when undeclared)."""
         return int(self.priority.get(platform, 0))

@@ -89,13 +89,33 @@ class Outcome:
     empty_rows: np.ndarray | None = None
 
     def describe(self, names: tuple[str, ...]) -> str:
-        return ", ".join(
-            f"{n} error {self.errors[n]:.3g} x tolerance" for n in names if n in self.errors
-        )
+        """What went wrong with each output in ``names``, in words, joined by "; "."""
+        return "; ".join(self._what_happened(n) for n in names if n in self.errors)
+
+    def _what_happened(self, name: str) -> str:
+        # An error of inf has three causes that need different fixes: say which.
+        got, want = self.actual[name], self.expected[name]
+        if got.shape != want.shape:
+            return f"{name} has shape {list(got.shape)}, expected {list(want.shape)}"
+        finite = np.isfinite(want)
+        nan = int(np.sum(np.isnan(got) & finite))
+        inf = int(np.sum(np.isinf(got) & finite))
+        if nan or inf:
+            return (f"{name} has {nan} NaN and {inf} Inf values where the oracle is finite "
+                    f"(of {got.size})")
+        wrong = int(np.sum(~finite & (got != want)))
+        if wrong:
+            return (f"{name} has {wrong} values that differ from the oracle's non-finite "
+                    "ones (lse must be -inf exactly on rows with no visible key)")
+        diff = float(np.max(np.abs(got - want))) if got.size else 0.0
+        return (f"{name} error {self.errors[name]:.3g} x tolerance "
+                f"(finite: max |actual - oracle| = {diff:.3g})")
 
 
-def run_case(attention: Any, capabilities: Any, case: Case) -> Outcome:
+def run_case(attention: Any, capabilities: Any, case: Case, *, platform: str) -> Outcome:
     """Forward and (when claimed) VJP of ``case`` through ``attention``, vs the oracle.
+
+    ``platform`` is where ``attention`` runs; it picks the tolerance row.
 
     One jitted program per case computes the plain forward (the backend's
     primal path) and the VJP (its differentiated path) together.
@@ -127,7 +147,8 @@ def run_case(attention: Any, capabilities: Any, case: Case) -> Outcome:
         actual[name] = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
     expected = oracle(case, data, differentiable)
     errors = {
-        name: normalised_error(value, expected[name], tolerance(case.dtype, name))
+        name: normalised_error(value, expected[name],
+                               tolerance(case.dtype, name, platform=platform))
         for name, value in actual.items()
     }
     return Outcome(case, actual, expected, errors, np.isneginf(expected["lse"]))

@@ -158,7 +158,7 @@ class Suite:
 
         if case.id not in self._outcomes:
             try:
-                result: Any = run_case(self.attention, self.caps, case)
+                result: Any = run_case(self.attention, self.caps, case, platform=self.platform)
             except Exception as exc:  # noqa: BLE001 - re-raised by every test of the case
                 result = exc
             self._outcomes[case.id] = result

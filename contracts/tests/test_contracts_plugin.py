@@ -23,12 +23,16 @@ def test_loading_the_plugin_imports_no_jax() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_suite_without_a_backend_skips(capsys: pytest.CaptureFixture[str]) -> None:
+def test_suite_without_a_backend_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # A CI job that forgets --attn-backend must fail, not pass with all skipped.
     code = pytest.main(
         ["--pyargs", "attn_backends_contracts", "-q", "-p", "no:cacheprovider", *_REWRITE_OK]
     )
-    out = capsys.readouterr().out
-    assert code == 0 and "skipped" in out and "attn-backends conformance" not in out
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == pytest.ExitCode.USAGE_ERROR, captured.out
+    assert len(errors) == 1 and "pass --attn-backend=NAME" in errors[0], errors
+    assert "passed" not in captured.out and "skipped" not in captured.out
 
 
 def test_backend_object_route_writes_a_certificate(tmp_path: Path) -> None:

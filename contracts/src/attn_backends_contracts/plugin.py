@@ -4,7 +4,9 @@ Loaded into every pytest run of an environment where the distribution is
 installed, so it is inert unless asked: importing it imports neither JAX nor
 attn-backends, and without ``--attn-backend`` / ``--attn-backend-object`` (or
 a provider from :func:`attn_backends_contracts.run_check`) its hooks do
-nothing beyond adding the options.
+nothing beyond adding the options, unless the run collected the suite's own
+tests: that is a usage error, so a CI job that forgets the flag fails
+instead of going green with everything skipped.
 
     pytest --pyargs attn_backends_contracts --attn-backend=NAME [--attn-json FILE]
 """
@@ -19,6 +21,12 @@ import pytest
 
 #: Fixture names the suite parametrizes; a test without them is left alone.
 _PARAMETERS = ("attn_case", "attn_unclaimed", "attn_dtype", "attn_masking")
+#: The one line a run of the suite with no backend named stops with.
+NO_BACKEND = (
+    "attn-backends conformance suite: no backend named; pass --attn-backend=NAME "
+    "(an installed backend, see `attn-backends list`) or "
+    "--attn-backend-object=MODULE:ATTR"
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -66,9 +74,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     suite = _suite(metafunc.config)
     if suite is None:
-        reason = "the conformance suite needs --attn-backend=NAME or --attn-backend-object"
-        metafunc.parametrize(names[0], [pytest.param(None, marks=pytest.mark.skip(reason=reason))])
-        return
+        return  # pytest_collection_modifyitems stops the run with NO_BACKEND
     name = names[0]
     if name == "attn_case":
         metafunc.parametrize(name, suite.cases, ids=[c.id for c in suite.cases])
@@ -83,12 +89,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize(name, features, ids=features)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Collecting the suite's tests with no backend named is a usage error."""
+    if _active(config):
+        return
+    if any("attn_suite" in getattr(item, "fixturenames", ()) for item in items):
+        raise pytest.UsageError(NO_BACKEND)
+
+
 @pytest.fixture(scope="session")
 def attn_suite(request: pytest.FixtureRequest) -> Any:
     """The :class:`~attn_backends_contracts._session.Suite` of this run."""
     suite = _suite(request.config)
     if suite is None:
-        pytest.skip("the conformance suite needs --attn-backend=NAME")
+        raise pytest.UsageError(NO_BACKEND)
     return suite
 
 

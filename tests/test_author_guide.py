@@ -1,8 +1,10 @@
-"""The README's "Write a backend" section, followed literally, yields a listed backend.
+"""The README's "Write a backend" section, followed literally, yields a certified backend.
 
 The files are taken from the README's fenced blocks marked ``# file: PATH``,
-built and installed with pip into a temporary target, and then discovered by
-a fresh ``attn-backends list`` and used through the registry.
+built and installed with pip into a temporary target, then discovered by a
+fresh ``attn-backends list``, used through the registry, and certified by
+``attn-backends check`` (the full conformance suite): an example that fails
+the suite it tells authors to run is a bug in the README.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCK = re.compile(r"```\w*\n# file: (?P<path>\S+)\n(?P<body>.*?)```", re.S)
 
 
-def test_readme_backend_builds_installs_and_is_listed(tmp_path):
+def test_readme_backend_builds_installs_is_listed_and_certified(tmp_path):
     blocks = BLOCK.findall(README.read_text())
     assert {p for p, _ in blocks} == {
         "attn-backend-mine/pyproject.toml", "attn-backend-mine/attn_backend_mine.py"
@@ -32,7 +34,7 @@ def test_readme_backend_builds_installs_and_is_listed(tmp_path):
          "--target", str(target), str(tmp_path / "attn-backend-mine")],
         check=True, capture_output=True, text=True,
     )
-    env = {**os.environ, "PYTHONPATH": str(target)}
+    env = {**os.environ, "PYTHONPATH": str(target), "ATTN_BACKENDS_CACHE_DIR": str(tmp_path)}
     env.pop("ATTN_BACKENDS_ONLY", None)
     cli = [sys.executable, "-c", "from attn_backends._cli import main; raise SystemExit(main())"]
     listed = subprocess.run([*cli, "list", "--json"], env=env, check=True,
@@ -53,3 +55,11 @@ def test_readme_backend_builds_installs_and_is_listed(tmp_path):
     run = subprocess.run([sys.executable, "-c", script], env=env, check=True,
                          capture_output=True, text=True)
     assert float(run.stdout) < 1e-5
+
+    cert = tmp_path / "cert.json"
+    check = subprocess.run([*cli, "check", "mine", "--json", str(cert)], env=env, cwd=tmp_path,
+                           capture_output=True, text=True)
+    certificate = json.loads(cert.read_text())
+    assert check.returncode == 0, check.stdout[-3000:]
+    assert certificate["passed"] and certificate["mode"] == "full", certificate["failures"]
+    assert certificate["families"].get("unclaimed"), certificate["families"]

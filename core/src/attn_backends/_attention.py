@@ -1,4 +1,4 @@
-"""The callable model code uses: ``attention(q, k, v, ...)`` per DESIGN §2."""
+"""The callable model code uses: ``attention(q, k, v, ...)`` per docs/DESIGN.md, section 2."""
 
 from __future__ import annotations
 

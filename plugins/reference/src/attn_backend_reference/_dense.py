@@ -13,7 +13,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def visible(call: AttentionCall, ops: Operands) -> jax.Array:
-    """Boolean ``[B|1, Hq|1, Tq, Tk]``: key j visible to query i (DESIGN §2)."""
+    """Boolean ``[B|1, Hq|1, Tq, Tk]``: key j visible to query i (docs/DESIGN.md, section 2)."""
     i = jnp.arange(call.q_len)[:, None]
     j = jnp.arange(call.kv_len)[None, :]
     diag = i + call.offset

@@ -61,3 +61,44 @@ def test_cases_follow_the_manifest() -> None:
     assert all(c.head_dim % 64 == 0 and c.head_dim <= 256 for c in cases)
     assert {c.family for c in cases} >= {"shapes", "causal", "masked_rows", "head_dims"}
     assert any(c.q_len != c.kv_len and c.causal for c in cases)
+
+
+def test_tiles_twins_and_long_cases() -> None:
+    from attn_backends import FEATURES, Capabilities
+    from attn_backends_contracts.cases import NO_TILES
+
+    caps = Capabilities(platforms={"cpu"}, dtypes={"float32", "bfloat16"},
+                        **{f: True for f in FEATURES}, bias_grad=True, differentiable=True)
+    cases = cases_for(caps)
+    plain = {(c.family, c.name) for c in cases if not c.tiles}
+    twins = [c for c in cases if c.tiles]
+    assert len(twins) > 40 and all((c.family, c.name) in plain for c in twins)
+    assert all(c.dtype == "float32" and c.family not in NO_TILES for c in twins)
+    assert all(c.id.endswith("-tiles") for c in twins)
+    long = [c for c in cases if c.family == "long"]
+    assert {c.causal for c in long} == {True, False}
+    for c in long:  # over 1,000 tokens, no power of two divides the lengths
+        assert min(c.q_len, c.kv_len) > 1000 and c.q_len % 2 and c.kv_len % 2
+    quick = cases_for(caps, quick=True)
+    assert not any(c.family == "long" for c in quick)
+    assert 1 <= sum(c.tiles for c in quick) <= 4
+    assert not any(c.tiles for c in cases_for(caps, tiles=False))
+
+
+def test_suite_runs_tiles_twins_under_the_backends_small_tile_options() -> None:
+    from attn_backend_reference import ReferenceBackend
+    from attn_backends_contracts._session import Suite
+
+    class Tiled(ReferenceBackend):
+        def tile_small_options(self, call: object) -> object:
+            return ("small", 8) if call.kv_len > 16 else None  # type: ignore[attr-defined]
+
+    suite = Suite(Tiled(), source="test", platform="cpu", quick=True)
+    twins = [c for c in suite.cases if c.tiles]
+    assert twins and all(c.kv_len > 16 for c in twins)
+    attention = suite.attention_for(twins[0])
+    assert attention is not suite.attention
+    assert attention.backend_options == {"reference": ("small", 8)}
+    assert suite.attention_for(twins[-1]) is attention  # one Attention per options
+    untiled = Suite(ReferenceBackend(), source="test", platform="cpu", quick=True)
+    assert not any(c.tiles for c in untiled.cases)

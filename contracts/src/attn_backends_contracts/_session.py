@@ -96,7 +96,9 @@ class Suite:
 
     ``attention`` is ``Registry(plugins=[backend]).get(device=platform,
     backend=name, fallback="error")`` with ``probe=None``: the registry path
-    model code takes, strict, without other backends or probes. ``records``
+    model code takes, strict, without other backends or probes; a ``tiles``
+    case runs through the same path with ``backend_options`` set to the
+    backend's ``tile_small_options(call)``. ``records``
     holds one dict per test (outcome, family, case, dtype, message);
     ``worst`` the largest normalised error per dtype and output.
     """
@@ -123,15 +125,43 @@ class Suite:
             plugins=[_plugin_for(backend)], autoload=False, probe=None
         )
         self.attention = self.attention_on(platform)
-        self.cases: list[Case] = cases_for(self.caps, quick=quick)
+        self._tiled: dict[str, Any] = {}
+        self.cases: list[Case] = [c for c in cases_for(self.caps, quick=quick)
+                                  if not c.tiles or self.tile_options(c) is not None]
         self.records: list[dict[str, Any]] = []
         self.worst: dict[str, dict[str, float]] = {}
         self.certificate: dict[str, Any] | None = None
         self.certificate_path: str | None = None
         self._outcomes: dict[str, Any] = {}
 
-    def attention_on(self, platform: str) -> Any:
-        return self.registry.get(device=platform, backend=self.backend.name, fallback="error")
+    def attention_on(self, platform: str, options: Any = None) -> Any:
+        backend_options = None if options is None else {self.backend.name: options}
+        return self.registry.get(device=platform, backend=self.backend.name, fallback="error",
+                                 backend_options=backend_options)
+
+    def _call(self, case: Case) -> Any:
+        import attn_backends
+
+        from .cases import make_inputs
+
+        data = make_inputs(case)
+        call, _ = attn_backends.bind(data["q"], data["k"], data["v"],
+                                     return_lse=case.return_lse, **data["kwargs"])
+        return call
+
+    def tile_options(self, case: Case) -> Any:
+        """The backend's ``tile_small_options`` for ``case``'s call (None: no tiles twin)."""
+        return self.backend.tile_small_options(self._call(case))
+
+    def attention_for(self, case: Case) -> Any:
+        """The callable ``case`` runs through: default options, or small tiles."""
+        if not case.tiles:
+            return self.attention
+        options = self.tile_options(case)
+        key = repr(options)
+        if key not in self._tiled:
+            self._tiled[key] = self.attention_on(self.platform, options)
+        return self._tiled[key]
 
     @property
     def primary_dtype(self) -> str:
@@ -143,14 +173,7 @@ class Suite:
         A case the manifest allows but ``check`` declines (say Dv != D) is
         skipped with these reasons, shown in the summary and certificate.
         """
-        import attn_backends
-
-        from .cases import make_inputs
-
-        data = make_inputs(case)
-        call, _ = attn_backends.bind(data["q"], data["k"], data["v"],
-                                     return_lse=case.return_lse, **data["kwargs"])
-        return [str(r) for r in self.backend.check(call)]
+        return [str(r) for r in self.backend.check(self._call(case))]
 
     def outcome(self, case: Case) -> Any:
         """The :class:`~._runner.Outcome` of ``case``, computed once (errors re-raised)."""
@@ -158,7 +181,8 @@ class Suite:
 
         if case.id not in self._outcomes:
             try:
-                result: Any = run_case(self.attention, self.caps, case, platform=self.platform)
+                result: Any = run_case(self.attention_for(case), self.caps, case,
+                                            platform=self.platform)
             except Exception as exc:  # noqa: BLE001 - re-raised by every test of the case
                 result = exc
             self._outcomes[case.id] = result

@@ -6,8 +6,17 @@ cases a backend's manifest can serve (features, dtypes, head dims) and fills
 in the head dim, so the suite, benchmarks and autotuners share one table.
 Lengths are small on purpose (compile time dominates on CPU) but include 1,
 primes, ``Tq != Tk`` both ways and lengths that are not multiples of 16 or
-128 (block sizes). ``quick=True`` cases form the reduced table of
+128 (block sizes); the ``long`` family (full run only) has a few prime
+lengths over 1,000. ``quick=True`` cases form the reduced table of
 ``--attn-quick``.
+
+Small cases alone never reach the seams between a tiled kernel's tiles, where
+its worst bugs live (an online-softmax rescale dropped, a gradient overwritten
+instead of summed across blocks). So every primary-dtype case also runs as a
+``tiles`` twin (``Case.tiles``, id suffix ``-tiles``) under the options the
+backend's ``Backend.tile_small_options(call)`` declares, which cut even 17
+tokens into several tiles; a backend that declares none (returns None) runs
+no twins.
 
 :func:`make_inputs` builds the arrays of a case deterministically from its
 name: q, k, v in the case's dtype and their float64 values (what the oracle
@@ -16,11 +25,8 @@ sees), the optional operands, and the cotangents for the gradient check.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, replace
 from typing import Any
-
-import numpy as np
 
 #: Values written at invisible key positions for ``inputs="garbage"``: finite
 #: (float16 max is 65504) and large, so a backend that lets them leak shows.
@@ -39,7 +45,8 @@ class Case:
     False). ``inputs``: "normal", "large" (q, k scaled by 1e3), "equal" (every
     key identical: equal logits), "garbage" (invisible keys hold ``GARBAGE``).
     ``lse``: request ``return_lse`` when the backend claims it (the
-    ``return_lse`` feature itself is ``return_lse``).
+    ``return_lse`` feature itself is ``return_lse``). ``tiles``: run under the
+    backend's ``tile_small_options(call)`` instead of its default options.
     """
 
     name: str
@@ -66,11 +73,12 @@ class Case:
     lse: bool = False
     inputs: str = "normal"
     quick: bool = False
+    tiles: bool = False
 
     @property
     def id(self) -> str:
-        """Test id: ``family-name-dtype``."""
-        return f"{self.family}-{self.name}-{self.dtype}"
+        """Test id: ``family-name-dtype``, then ``-tiles`` for a tiles twin."""
+        return f"{self.family}-{self.name}-{self.dtype}" + ("-tiles" if self.tiles else "")
 
     @property
     def features(self) -> frozenset[str]:
@@ -182,6 +190,14 @@ MAGNITUDE = (
     _c("magnitude", "large-causal-q7k19", inputs="large", causal=True, q_len=7, kv_len=19),
     _c("magnitude", "equal", inputs="equal", lse=True),
 )
+# Over 1,000 tokens, prime lengths (no power of two divides them): several
+# default-sized blocks of any tiled kernel, forward and backward, causal or not.
+LONG = (
+    _c("long", "q1031k1031", q_len=1031, kv_len=1031, q_heads=1, kv_heads=1),
+    _c("long", "causal-q1283k1283", q_len=1283, kv_len=1283, causal=True),
+    _c("long", "causal-gqa-q1031k1543", q_len=1031, kv_len=1543, q_heads=4, kv_heads=2,
+       causal=True, return_lse=True),
+)
 RAGGED = (
     _c("ragged", "lengths-b3", batch=3, q_len=13, kv_len=21, q_lengths=(13, 7, 2),
        kv_lengths=(21, 12, 5)),
@@ -192,7 +208,7 @@ RAGGED = (
 TABLES: dict[str, tuple[Case, ...]] = {
     t[0].family: t
     for t in (SHAPES, BLOCKS, GQA, CAUSAL, WINDOW, SEGMENT_IDS, LENGTHS, MASK, BIAS,
-              SOFTCAP, RETURN_LSE, COMBINED, MASKED_ROWS, MAGNITUDE, RAGGED)
+              SOFTCAP, RETURN_LSE, COMBINED, MASKED_ROWS, MAGNITUDE, RAGGED, LONG)
 }
 
 #: Cases repeated in every claimed dtype besides the primary one ((family, name)).
@@ -203,6 +219,12 @@ DTYPE_SWEEP = (
 )
 #: The part of the sweep kept by ``quick``.
 QUICK_SWEEP = (("shapes", "q17k17"),)
+#: Families whose cases get no ``tiles`` twin: ``long`` spans several default
+#: blocks already (and small tiles would make it slow), ``head_dims`` varies D.
+NO_TILES = frozenset({"long", "head_dims"})
+#: The ``tiles`` twins kept by ``quick`` ((family, name)).
+QUICK_TILES = (("shapes", "q17k17"), ("causal", "q7k19"), ("gqa", "h4kv2"),
+               ("combined", "all"))
 
 #: Candidate head dims for the ``head_dims`` family when the manifest sets no list.
 HEAD_DIM_CANDIDATES = (8, 32, 64, 128, 256)
@@ -243,11 +265,14 @@ def head_dim_cases(head_dims: Any, base: int) -> tuple[Case, ...]:
     return tuple(out)
 
 
-def cases_for(capabilities: Any, *, quick: bool = False) -> list[Case]:
+def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> list[Case]:
     """Cases a manifest can serve, head dims filled in, each claimed dtype covered.
 
     The primary dtype (float32 if claimed, else the first claimed) runs every
-    table; each other claimed dtype runs :data:`DTYPE_SWEEP`. Cases whose
+    table; each other claimed dtype runs :data:`DTYPE_SWEEP`. With ``tiles``,
+    each primary-dtype case outside :data:`NO_TILES` (with ``quick``: those of
+    :data:`QUICK_TILES`) also gets a ``tiles=True`` twin; the suite drops the
+    twins of a backend whose ``tile_small_options`` returns None. Cases whose
     features are not all claimed are dropped; ``lse=True`` cases ask for lse
     only when ``return_lse`` is claimed.
     """
@@ -268,6 +293,10 @@ def cases_for(capabilities: Any, *, quick: bool = False) -> list[Case]:
     for dtype in dtypes:
         if dtype != primary:
             chosen += [replace(by_key[key], dtype=dtype) for key in sweep if key in by_key]
+    if tiles:
+        twins = [c for c in chosen if c.dtype == primary and c.family not in NO_TILES
+                 and (not quick or (c.family, c.name) in QUICK_TILES)]
+        chosen += [replace(c, tiles=True) for c in twins]
     out = []
     for case in chosen:
         d = case.head_dim or base
@@ -278,84 +307,11 @@ def cases_for(capabilities: Any, *, quick: bool = False) -> list[Case]:
     return out
 
 
-def _rng(case: Case, salt: str = "") -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(f"{case.family}/{case.name}/{salt}".encode()))
-
-
-def _cast(x: np.ndarray, dtype: str) -> tuple[Any, np.ndarray]:
-    """``x`` in ``dtype`` (numpy, via ml_dtypes for bfloat16) and its float64 value."""
-    import jax.numpy as jnp
-
-    typed = np.asarray(x, dtype=np.float32).astype(jnp.dtype(dtype))
-    return typed, typed.astype(np.float64)
-
-
-def _segments(rng: np.random.Generator, b: int, tq: int, tk: int, kind: str) -> tuple:
-    if kind == "disjoint":
-        q_ids = np.zeros((b, tq), np.int32)
-        q_ids[:, : tq // 2] = 7  # no key has id 7: these rows see nothing
-        return q_ids, np.zeros((b, tk), np.int32)
-    q_ids, kv_ids = np.zeros((b, tq), np.int32), np.zeros((b, tk), np.int32)
-    for i in range(b):
-        n_seg = int(rng.integers(2, 4))
-        cuts = np.sort(rng.uniform(0.1, 0.9, n_seg - 1))
-        q_ids[i] = np.searchsorted(cuts, (np.arange(tq) + 0.5) / tq)
-        kv_ids[i] = np.searchsorted(cuts, (np.arange(tk) + 0.5) / tk)
-    return q_ids, kv_ids
-
-
-def _pair_shape(kind: str, b: int, h: int, tq: int, tk: int) -> tuple[int, int, int, int]:
-    return {
-        "full": (b, h, tq, tk), "empty_rows": (b, h, tq, tk), "shared": (1, 1, tq, tk),
-        "per_batch": (b, 1, tq, tk), "per_head": (1, h, tq, tk),
-    }[kind]
-
-
 def make_inputs(case: Case) -> dict[str, Any]:
-    """Arrays of ``case``; deterministic in its family and name.
+    """Arrays of ``case``; deterministic in its family and name (see :mod:`._inputs`)."""
+    from ._inputs import make_inputs as make
 
-    Keys: q, k, v (numpy, case dtype) and q64, k64, v64 (their float64
-    values); kwargs (attention keyword arguments, numpy operands); d_out
-    (cotangent, case dtype) and d_out64; d_lse (float32 ``[B, Hq, Tq]``).
-    """
-    rng = _rng(case)
-    b, tq, tk, hq, hkv = case.batch, case.q_len, case.kv_len, case.q_heads, case.kv_heads
-    d, dv = case.head_dim or 16, case.v_head_dim or case.head_dim or 16
-    q = rng.standard_normal((b, tq, hq, d))
-    k = rng.standard_normal((b, tk, hkv, d))
-    v = rng.standard_normal((b, tk, hkv, dv))
-    if case.inputs == "large":
-        q, k = q * 1e3, k * 1e3
-    elif case.inputs == "equal":
-        k = np.broadcast_to(k[:, :1], k.shape).copy()
-    elif case.inputs == "garbage" and case.kv_lengths is not None:
-        for i, n in enumerate(case.kv_lengths):
-            k[i, n:], v[i, n:] = GARBAGE, -GARBAGE
-    kwargs: dict[str, Any] = {
-        "scale": case.scale, "causal": case.causal, "window": case.window,
-        "softcap": case.softcap,
-    }
-    if case.segments is not None:
-        kwargs["segment_ids"] = _segments(rng, b, tq, tk, case.segments)
-    if case.q_lengths is not None:
-        kwargs["q_lengths"] = np.asarray(case.q_lengths, np.int32)
-    if case.kv_lengths is not None:
-        kwargs["kv_lengths"] = np.asarray(case.kv_lengths, np.int32)
-    if case.mask is not None:
-        mask = rng.uniform(size=_pair_shape(case.mask, b, hq, tq, tk)) < 0.75
-        if case.mask == "empty_rows":
-            mask[:, :, ::3] = False
-        kwargs["mask"] = mask
-    if case.bias is not None:
-        bias = rng.standard_normal(_pair_shape(case.bias, b, hq, tq, tk))
-        kwargs["bias"] = _cast(bias, case.bias_dtype or case.dtype)[0]
-    (q, q64), (k, k64), (v, v64) = (_cast(x, case.dtype) for x in (q, k, v))
-    d_out, d_out64 = _cast(rng.standard_normal((b, tq, hq, dv)), case.dtype)
-    d_lse = (0.5 * rng.standard_normal((b, hq, tq))).astype(np.float32)
-    return {
-        "q": q, "k": k, "v": v, "q64": q64, "k64": k64, "v64": v64, "kwargs": kwargs,
-        "d_out": d_out, "d_out64": d_out64, "d_lse": d_lse,
-    }
+    return make(case)
 
 
 #: Per feature, what a small call adds to use it (unclaimed, masking-effect tests).

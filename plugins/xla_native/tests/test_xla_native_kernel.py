@@ -341,7 +341,8 @@ def test_transforms_jit_vmap_checkpoint() -> None:
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3)))
     want = attention_vjp(q, k, v, do, causal=True, bias=bias)
-    for name, a, b in zip("qkv", grad(q, k, v, bias), remat(q, k, v, bias), strict=False):
+    for name, a, b in zip(("q", "k", "v", "bias"), grad(q, k, v, bias), remat(q, k, v, bias),
+                          strict=True):
         assert _err(a, want[name]) <= 1e-4
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

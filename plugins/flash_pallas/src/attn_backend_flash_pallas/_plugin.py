@@ -122,6 +122,18 @@ class FlashPallasBackend(Backend):
 
         return run(call, q, k, v, operands, options)
 
+    def tile_small_options(self, call: AttentionCall) -> Any:
+        """The smallest legal splash blocks (128 everywhere: the TPU lane width).
+
+        None when the call fits in one such tile: there is nothing smaller to
+        cut it into, and its default blocks already are that tile.
+        """
+        from ._config import LANES, SplashBlockSizes
+
+        if max(call.q_len, call.kv_len) <= LANES:
+            return None
+        return SplashBlockSizes()
+
 
 @attn_backends.hookimpl
 def attn_backends_register() -> list[Backend]:

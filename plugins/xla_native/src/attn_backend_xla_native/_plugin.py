@@ -76,6 +76,16 @@ class XlaNativeBackend(Backend):
         out, lse = blockwise_attention(call, q, k, v, operands, options)
         return (out, lse) if call.return_lse else out
 
+    def tile_small_options(self, call: AttentionCall) -> BlockConfig:
+        """Blocks of 8 and 16 rows, so short calls cross several tiles both ways.
+
+        The forward's key blocks (8) are smaller than its query blocks (16) and
+        the backward's the other way round, so the online-softmax rescale, the
+        dq sum across key blocks and the dk/dv sums across query blocks all see
+        several tiles from 17 tokens on. Ignores ``call``: any length is legal.
+        """
+        return BlockConfig(block_q=16, block_kv=8, block_q_bwd=8, block_kv_bwd=16)
+
 
 @attn_backends.hookimpl
 def attn_backends_register() -> list[Backend]:

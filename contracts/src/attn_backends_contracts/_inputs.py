@@ -1,0 +1,94 @@
+"""The arrays of a case: deterministic in its family and name.
+
+Kept apart from the case tables (``cases``), which hold data and the rules
+that pick cases for a manifest.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .cases import GARBAGE, Case
+
+
+def _rng(case: Case, salt: str = "") -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(f"{case.family}/{case.name}/{salt}".encode()))
+
+
+def _cast(x: np.ndarray, dtype: str) -> tuple[Any, np.ndarray]:
+    """``x`` in ``dtype`` (numpy, via ml_dtypes for bfloat16) and its float64 value."""
+    import jax.numpy as jnp
+
+    typed = np.asarray(x, dtype=np.float32).astype(jnp.dtype(dtype))
+    return typed, typed.astype(np.float64)
+
+
+def _segments(rng: np.random.Generator, b: int, tq: int, tk: int, kind: str) -> tuple:
+    if kind == "disjoint":
+        q_ids = np.zeros((b, tq), np.int32)
+        q_ids[:, : tq // 2] = 7  # no key has id 7: these rows see nothing
+        return q_ids, np.zeros((b, tk), np.int32)
+    q_ids, kv_ids = np.zeros((b, tq), np.int32), np.zeros((b, tk), np.int32)
+    for i in range(b):
+        n_seg = int(rng.integers(2, 4))
+        cuts = np.sort(rng.uniform(0.1, 0.9, n_seg - 1))
+        q_ids[i] = np.searchsorted(cuts, (np.arange(tq) + 0.5) / tq)
+        kv_ids[i] = np.searchsorted(cuts, (np.arange(tk) + 0.5) / tk)
+    return q_ids, kv_ids
+
+
+def _pair_shape(kind: str, b: int, h: int, tq: int, tk: int) -> tuple[int, int, int, int]:
+    return {
+        "full": (b, h, tq, tk), "empty_rows": (b, h, tq, tk), "shared": (1, 1, tq, tk),
+        "per_batch": (b, 1, tq, tk), "per_head": (1, h, tq, tk),
+    }[kind]
+
+
+def make_inputs(case: Case) -> dict[str, Any]:
+    """Arrays of ``case``; deterministic in its family and name.
+
+    Keys: q, k, v (numpy, case dtype) and q64, k64, v64 (their float64
+    values); kwargs (attention keyword arguments, numpy operands); d_out
+    (cotangent, case dtype) and d_out64; d_lse (float32 ``[B, Hq, Tq]``).
+    """
+    rng = _rng(case)
+    b, tq, tk, hq, hkv = case.batch, case.q_len, case.kv_len, case.q_heads, case.kv_heads
+    d, dv = case.head_dim or 16, case.v_head_dim or case.head_dim or 16
+    q = rng.standard_normal((b, tq, hq, d))
+    k = rng.standard_normal((b, tk, hkv, d))
+    v = rng.standard_normal((b, tk, hkv, dv))
+    if case.inputs == "large":
+        q, k = q * 1e3, k * 1e3
+    elif case.inputs == "equal":
+        k = np.broadcast_to(k[:, :1], k.shape).copy()
+    elif case.inputs == "garbage" and case.kv_lengths is not None:
+        for i, n in enumerate(case.kv_lengths):
+            k[i, n:], v[i, n:] = GARBAGE, -GARBAGE
+    kwargs: dict[str, Any] = {
+        "scale": case.scale, "causal": case.causal, "window": case.window,
+        "softcap": case.softcap,
+    }
+    if case.segments is not None:
+        kwargs["segment_ids"] = _segments(rng, b, tq, tk, case.segments)
+    if case.q_lengths is not None:
+        kwargs["q_lengths"] = np.asarray(case.q_lengths, np.int32)
+    if case.kv_lengths is not None:
+        kwargs["kv_lengths"] = np.asarray(case.kv_lengths, np.int32)
+    if case.mask is not None:
+        mask = rng.uniform(size=_pair_shape(case.mask, b, hq, tq, tk)) < 0.75
+        if case.mask == "empty_rows":
+            mask[:, :, ::3] = False
+        kwargs["mask"] = mask
+    if case.bias is not None:
+        bias = rng.standard_normal(_pair_shape(case.bias, b, hq, tq, tk))
+        kwargs["bias"] = _cast(bias, case.bias_dtype or case.dtype)[0]
+    (q, q64), (k, k64), (v, v64) = (_cast(x, case.dtype) for x in (q, k, v))
+    d_out, d_out64 = _cast(rng.standard_normal((b, tq, hq, dv)), case.dtype)
+    d_lse = (0.5 * rng.standard_normal((b, hq, tq))).astype(np.float32)
+    return {
+        "q": q, "k": k, "v": v, "q64": q64, "k64": k64, "v64": v64, "kwargs": kwargs,
+        "d_out": d_out, "d_out64": d_out64, "d_lse": d_lse,
+    }

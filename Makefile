@@ -27,7 +27,11 @@ test-main test-jax-next: export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
 CHECK = $(VENV)/bin/attn-backends check
 CHECK_NEXT = $(VENV_NEXT)/bin/attn-backends check
 
-.PHONY: install install-next demo test test-main test-jax-next clean
+# Wheels as users get them: `make dist` builds every distribution into dist/
+# (regular wheels, not editable); test-wheels installs them into fresh venvs.
+DIST := dist
+
+.PHONY: install install-next demo dist test test-main test-jax-next test-wheels clean
 
 $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -52,7 +56,19 @@ demo: install
 	$(VENV)/bin/attn-backends explain --device cpu --q 2,256,8,64 --kv 2,256,2,64 --causal
 	$(PY) examples/demo.py
 
-test: test-main test-jax-next
+test: test-main test-jax-next test-wheels
+
+# Folder paths start with ./ so pip never mistakes one for a PyPI name
+# (`pip wheel contracts` builds an unrelated PyPI project).
+dist: install
+	rm -rf $(DIST) $(addsuffix /build,$(PACKAGES))  # stale build/lib files would ship
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST) $(addprefix ./,$(PACKAGES))
+
+# tests/wheels/run.sh: a fresh venv per variant, wheels from dist/, third-party
+# dependencies from PyPI; `--wheel` and `--run` add a wheel and a check script.
+test-wheels: dist
+	PYTHON=$(PYTHON) tests/wheels/run.sh --variant full
+	PYTHON=$(PYTHON) tests/wheels/run.sh --variant xla
 
 test-main: install
 	$(PY) -m pytest
@@ -70,4 +86,4 @@ test-jax-next: install-next
 	ATTN_BACKENDS_PALLAS_INTERPRET=1 $(CHECK_NEXT) flash_pallas --json $(CERTS)/flash_pallas-jax-next.json
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) $(CERTS) .attn-cache
+	rm -rf $(VENV) $(VENV_NEXT) $(CERTS) .attn-cache $(DIST)

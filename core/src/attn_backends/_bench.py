@@ -97,8 +97,23 @@ def as_dicts(rows: Sequence[BenchRow]) -> list[dict[str, Any]]:
     return [asdict(r) for r in rows]
 
 
-def plot(rows: Sequence[BenchRow], path: str) -> None:
-    """Write a PNG: time against sequence length, one line per backend and pass."""
+def setup_label(
+    *, heads: int, head_dim: int, dtype: str, causal: bool, platform: str,
+    device_kind: str | None,
+) -> str:
+    """What was timed, for a plot title: shape, dtype, mask and device."""
+    mask = "causal" if causal else "no mask"
+    device = f"{platform} ({device_kind})" if device_kind else platform
+    return f"q/k/v [1, S, {heads}, {head_dim}] {dtype} {mask}, {device}"
+
+
+def figure(rows: Sequence[BenchRow], setup: str = "") -> Any:
+    """A matplotlib Figure: time against sequence length, one panel per pass.
+
+    The x axis is logarithmic, ticked and labelled with exactly the lengths
+    that were run (no ``3x10^2`` log ticks); each panel's title is the pass
+    and ``setup`` (see :func:`setup_label`).
+    """
     try:
         import matplotlib
 
@@ -109,14 +124,27 @@ def plot(rows: Sequence[BenchRow], path: str) -> None:
             f"--plot needs matplotlib, which is not installed ({exc}): "
             "pip install 'attn-backends[plot]'"
         ) from exc
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=False)
     for ax, kind in zip(axes, ("fwd", "fwd+bwd")):
         for name in sorted({r.backend for r in rows}):
             pts = sorted((r.seq, r.ms) for r in rows if r.backend == name and r.kind == kind)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
-        ax.set(title=kind, xlabel="sequence length", ylabel="ms (best)", xscale="log", yscale="log")
-        ax.legend()
+        ax.set(xlabel="sequence length S", ylabel="ms (best)", xscale="log", yscale="log")
+        ax.set_title(f"{kind}\n{setup}" if setup else kind, fontsize=9)
+        seqs = sorted({r.seq for r in rows if r.kind == kind})
+        ax.minorticks_off()  # log minor ticks would label 3x10^2 and the like
+        ax.set_xticks(seqs, [str(s) for s in seqs])
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: Sequence[BenchRow], path: str, setup: str = "") -> None:
+    """Write :func:`figure` of ``rows`` as a PNG to ``path``."""
+    fig = figure(rows, setup)  # first: it explains a missing matplotlib
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -213,7 +213,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"] for r in rows]
         print(_table(table, ["backend", "S", "pass", "best ms", "reference / backend"]))
     if args.plot:
-        _bench.plot(rows, args.plot)
+        from ._environment import device_kind
+
+        _bench.plot(rows, args.plot, _bench.setup_label(
+            heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+            causal=not args.no_causal, platform=platform, device_kind=device_kind(platform)))
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 

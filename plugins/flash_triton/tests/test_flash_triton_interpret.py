@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import attn_backends
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from attn_backend_flash_triton import FlashTritonBackend, TritonBlockSizes, interpret_mode
@@ -25,12 +24,15 @@ BLOCKS = TritonBlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_kv_dkv=1
 def test_multi_tile_forward_and_backward_match_the_oracle(causal):
     rng = np.random.default_rng(7)
     shapes = ((2, 100, 4, 32), (2, 100, 2, 32), (2, 100, 2, 32))
-    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes)
+    # Committed to the CPU, so a GPU machine also runs the interpreter here
+    # (its compiled kernel, with TF32 dots, is judged by make test-gpu).
+    cpu = jax.devices("cpu")[0]
+    q, k, v = (jax.device_put(rng.standard_normal(s).astype(np.float32), cpu) for s in shapes)
     call, operands = attn_backends.bind(q, k, v, causal=causal)
     with interpret_mode():
         fn = jax.jit(lambda q, k, v: BACKEND.attend(call, q, k, v, operands, BLOCKS))
         out, vjp = jax.vjp(fn, q, k, v)
-        d_out = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+        d_out = jax.device_put(rng.standard_normal(out.shape).astype(np.float32), cpu)
         grads = vjp(d_out)
     q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
     ref_out, _ = attention(q64, k64, v64, causal=causal)

@@ -118,15 +118,16 @@ def test_unclaimed_features_raise_from_attend(kw, feature):
         BACKEND.attend(call, q, k, v, operands)
 
 
-def test_gpu_explain_ranks_flash_triton_over_xla_native():
+def test_gpu_explain_ranks_flash_triton_over_the_plain_jax_backends():
     registry = attn_backends.Registry(only=["flash_triton", "xla_native", "reference"])
     q = jnp.zeros((1, 64, 4, 64), jnp.bfloat16)
     k = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
     explanation = registry.get(device="gpu").explain(q, k, k, causal=True)
     assert explanation.chosen == "flash_triton"
-    # A call it cannot serve goes to xla_native, and explain says why.
+    # A call it cannot serve goes on down the list (xla_native where installed,
+    # else reference), and explain says why.
     explanation = registry.get(device="gpu").explain(q, k, k, window=(8, 0))
-    assert explanation.chosen == "xla_native"
+    assert explanation.chosen in ("xla_native", "reference")
     assert "window" in str(explanation)
 
 

@@ -106,7 +106,7 @@ class FlashTritonBackend(Backend):
         operands: Operands,
         options: Any = None,
     ) -> Any:
-        """q ``[B, T, Hq, D]``, k ``[B, T, Hkv, D]``, v ``[B, T, Hkv, D]`` -> out ``[B, T, Hq, D]``."""
+        """q ``[B, T, Hq, D]``, k and v ``[B, T, Hkv, D]`` -> out ``[B, T, Hq, D]``."""
         caps = self.capabilities
         reasons = [f"feature {f!r} not supported" for f in sorted(call.features - caps.features)]
         reasons += self.check(call) + caps.head_dims.reasons(call.head_dim, "head_dim")

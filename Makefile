@@ -1,8 +1,9 @@
 # The two commands of the README: `make demo` and `make test`.
 # Both create .venv and install every distribution of the repo in editable mode.
 # `make test` also builds a second environment (Python 3.12, the newest jax
-# there) and runs the flash_pallas tests in it: the Pallas adapter is checked
-# on both jax lines it claims.
+# there) and runs the flash_pallas, flash_triton and cudnn tests in it: the
+# Pallas adapters are checked on both jax lines they claim.
+# `make test-gpu` (on a GPU machine only) certifies the gpu backends there.
 
 PYTHON ?= python3
 VENV := .venv
@@ -17,13 +18,14 @@ PYTHON_NEXT ?= env PYENV_VERSION=3.12.1 python3.12
 JAX_NEXT ?= jax>=0.12,<0.13
 VENV_NEXT := .venv-jax-next
 PY_NEXT := $(VENV_NEXT)/bin/python
-PACKAGES_NEXT := core plugins/reference plugins/flash_pallas contracts
+PACKAGES_NEXT := core plugins/reference plugins/flash_pallas plugins/flash_triton plugins/cudnn \
+	contracts
 STAMP_NEXT := $(VENV_NEXT)/.installed
 
 # Conformance certificates written by `make test`, and a repo-local cache so
 # test runs never read or write the user's ~/.cache.
 CERTS := .certificates
-test-main test-jax-next: export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
+test-main test-jax-next test-gpu: export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
 CHECK = $(VENV)/bin/attn-backends check
 CHECK_NEXT = $(VENV_NEXT)/bin/attn-backends check
 
@@ -31,7 +33,7 @@ CHECK_NEXT = $(VENV_NEXT)/bin/attn-backends check
 # (regular wheels, not editable); test-wheels installs them into fresh venvs.
 DIST := dist
 
-.PHONY: install install-next demo dist test test-main test-jax-next test-wheels clean
+.PHONY: install install-next demo dist test test-main test-jax-next test-wheels test-gpu clean
 
 $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -78,12 +80,34 @@ test-main: install
 	$(CHECK) xla_native --json $(CERTS)/xla_native.json
 	$(CHECK) example_dense --json $(CERTS)/example_dense.json
 	ATTN_BACKENDS_PALLAS_INTERPRET=1 $(CHECK) flash_pallas --json $(CERTS)/flash_pallas.json
+	ATTN_BACKENDS_TRITON_INTERPRET=1 $(CHECK) flash_triton --json $(CERTS)/flash_triton.json
+	$(PY) -m pytest -q --pyargs attn_backends_contracts --attn-quick \
+		--attn-backend-object=plugins/cudnn/tests/standin.py:CudnnMappingOnXla
 
 test-jax-next: install-next
 	$(PY_NEXT) -c "import jax; print('jax', jax.__version__, 'on Python 3.12')"
-	$(PY_NEXT) -m pytest plugins/flash_pallas
+	$(PY_NEXT) -m pytest plugins/flash_pallas plugins/flash_triton plugins/cudnn
 	mkdir -p $(CERTS)
 	ATTN_BACKENDS_PALLAS_INTERPRET=1 $(CHECK_NEXT) flash_pallas --json $(CERTS)/flash_pallas-jax-next.json
+	ATTN_BACKENDS_TRITON_INTERPRET=1 $(CHECK_NEXT) flash_triton --quick \
+		--json $(CERTS)/flash_triton-jax-next.json
+
+# On a GPU machine (never in CI): installs JAX's CUDA plugin for the installed
+# jax, runs the gpu-only tests, certifies every gpu backend on the local GPU and
+# times the GPU backends against bare cuDNN (benchmarks/bench_gpu.py).
+GPU_BACKENDS := cudnn flash_triton xla_native reference
+test-gpu: install
+	@command -v nvidia-smi >/dev/null || \
+		{ echo "make test-gpu: no NVIDIA GPU here (nvidia-smi not found); run it on a GPU machine"; exit 1; }
+	$(PY) -m pip install -q "jax[cuda12]==$$($(PY) -c 'import jax; print(jax.__version__)')"
+	$(PY) -c "import jax; print('jax', jax.__version__, jax.devices('gpu'))"
+	$(PY) -m pytest plugins/cudnn plugins/flash_triton
+	mkdir -p $(CERTS)
+	for name in $(GPU_BACKENDS); do \
+		$(CHECK) $$name --json $(CERTS)/$$name-gpu.json || exit 1; done
+	$(VENV)/bin/attn-backends bench --device gpu --backends cudnn,flash_triton,xla_native \
+		--dtype bfloat16
+	$(PY) benchmarks/bench_gpu.py
 
 clean:
 	rm -rf $(VENV) $(VENV_NEXT) $(CERTS) .attn-cache $(DIST)

@@ -17,6 +17,7 @@ from ._forward import xla_native_forward
 from ._plan import (
     Masks,
     Plan,
+    decode_suits,
     kv_from_blocks,
     kv_to_blocks,
     pad_axis,
@@ -40,7 +41,14 @@ def blockwise_attention(
     blocks: BlockConfig,
 ) -> tuple[Array, Array]:
     """Attention for a validated ``call``: out ``[B, Tq, Hq, Dv]`` (q's
-    dtype) and lse ``[B, Hq, Tq]`` float32, differentiable in q, k, v, bias."""
+    dtype) and lse ``[B, Hq, Tq]`` float32, differentiable in q, k, v, bias.
+
+    Calls with a few query positions go to the decode path, which has no
+    blocks; ``blocks`` serve the rest."""
+    if decode_suits(call):
+        from ._decode import decode_attention
+
+        return decode_attention(call, q, k, v, operands)
     plan = Plan.of(call, blocks)
     masks = prepare_masks(plan, operands)
     bwd_plan = Plan.of(call, blocks.backward())

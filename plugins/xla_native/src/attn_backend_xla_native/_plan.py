@@ -20,6 +20,18 @@ from ._config import BlockConfig
 
 Array = Any
 
+# Most query positions a call may have for the decode path (``_decode.py``).
+# From BENCHMARKS.md "Decode": the decode path reads the cache once per call
+# whatever Tq is, but its per-key work grows with G * Tq, and the blockwise
+# kernel's matmuls take over as Tq grows.
+DECODE_MAX_Q = 8
+
+
+def decode_suits(call: AttentionCall) -> bool:
+    """Whether ``call`` goes to the decode path rather than the blockwise
+    kernel: at most ``DECODE_MAX_Q`` query positions and a non-empty cache."""
+    return 1 <= call.q_len <= DECODE_MAX_Q and call.kv_len >= 1 and call.batch >= 1
+
 
 @dataclass(frozen=True)
 class Plan:

@@ -1,0 +1,115 @@
+"""attn_backends.flax in flax.nnx, against flax's own attention on the same module and weights.
+
+Forward, gradients w.r.t. parameters and inputs, KV-cache decoding step by
+step, GQA (``num_kv_heads``), ``is_causal`` both ways round, float masks and
+the dropout refusal. Runs on the jax 0.10 line only: flax 0.12.8's nnx does
+not import on jax 0.12 (it subclasses ``jax.experimental.hijax.HiPrimitive``,
+renamed ``HiPrim`` there); test_flax.py covers linen and the function on both.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _flax_support import BACKENDS, PRIMARY, close, ours, x
+from flax import nnx
+
+F, HEADS = 32, 4
+
+
+@functools.cache
+def _initialised(num_kv_heads: int | None) -> tuple[nnx.GraphDef, nnx.State]:
+    # Initialised once: each initialiser compiles its own random program.
+    return nnx.split(nnx.MultiHeadAttention(
+        num_heads=HEADS, in_features=F, qkv_features=F, num_kv_heads=num_kv_heads,
+        decode=False, rngs=nnx.Rngs(0),
+    ))
+
+
+def _module(num_kv_heads: int | None = None) -> nnx.MultiHeadAttention:
+    """A fresh nnx module with flax's attention and the same weights as every other."""
+    return nnx.merge(*_initialised(num_kv_heads))
+
+
+def _nnx_pair(backend: str, num_kv_heads: int | None):
+    """One nnx module's graph with flax's attention and with ours, and its state."""
+    m = _module(num_kv_heads)
+    flax_graph, state = nnx.split(m)
+    m.attention_fn = ours(backend)
+    our_graph, _ = nnx.split(m)
+    return flax_graph, our_graph, state
+
+
+# (Tq, Tk, is_causal, padding mask, kv heads): self-attention; top-left causal
+# cross-attention both ways (Tq < Tk cuts keys, Tq > Tk is a window); a float
+# padding mask as flax's make_attention_mask builds it; GQA.
+NNX_CASES = {
+    "self-causal": (10, 10, True, False, None),
+    "causal-tq<tk": (6, 11, True, False, None),
+    "causal-tq>tk": (11, 6, True, False, None),
+    "float-mask": (9, 9, False, True, None),
+    "gqa-causal-mask": (9, 9, True, True, 2),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "backend"),
+    [(case, PRIMARY) for case in NNX_CASES]
+    + [("gqa-causal-mask", b) for b in BACKENDS if b != PRIMARY],
+)
+def test_nnx_forward_and_grads_match_flax(case: str, backend: str) -> None:
+    tq, tk, is_causal, padded, kv_heads = NNX_CASES[case]
+    flax_graph, our_graph, state = _nnx_pair(backend, kv_heads)
+    xq, xkv = x(1, 2, tq, F), x(2, 2, tk, F)
+    mask = None
+    if padded:
+        valid = jnp.arange(tk) < jnp.array([[tk], [tk - 3]])
+        mask = nnx.make_attention_mask(jnp.ones((2, tq)), valid, dtype=jnp.float32)
+    weight = x(3, 2, tq, F)
+
+    def loss(graph, state, xq, xkv):
+        out = nnx.merge(graph, state)(xq, xkv, mask=mask, is_causal=is_causal)
+        return jnp.sum(out * weight), out
+
+    grad = jax.grad(loss, argnums=(1, 2, 3), has_aux=True)
+    want_grads, want = jax.jit(grad, static_argnums=0)(flax_graph, state, xq, xkv)
+    got_grads, got = jax.jit(grad, static_argnums=0)(our_graph, state, xq, xkv)
+    close(got, want, atol=2e-6)
+    close(got_grads, want_grads, atol=5e-5)
+
+
+def test_nnx_kv_cache_decoding_matches_flax_step_by_step() -> None:
+    steps, batch = 7, 2
+    m = _module(2)
+    m.decode = True
+    m.init_cache((batch, steps, F))
+    inputs = x(4, batch, steps, F)
+    theirs = nnx.clone(m)
+    m.attention_fn = ours(PRIMARY)
+    mine = nnx.clone(m)
+    step = nnx.jit(lambda m, token: m(token))
+    got, want = [], []
+    for t in range(steps):
+        got.append(step(mine, inputs[:, t : t + 1]))
+        want.append(step(theirs, inputs[:, t : t + 1]))
+    close(jnp.concatenate(got, 1), jnp.concatenate(want, 1), atol=2e-6)
+    # And the steps are the causal self-attention of the whole sequence.
+    full = nnx.jit(lambda m, x: m(x, decode=False, is_causal=True))(m, inputs)
+    close(jnp.concatenate(got, 1), full, atol=2e-6)
+
+
+
+def test_dropout_is_refused_with_the_reason_and_deterministic_runs() -> None:
+    m = _module()
+    m.dropout_rate, m.attention_fn = 0.1, ours("reference")
+    inputs = x(15, 2, 6, F)
+    with pytest.raises(NotImplementedError, match=r"dropout_rate=0.1.*inside the kernel"):
+        m(inputs, deterministic=False, rngs=nnx.Rngs(dropout=1))
+    got = m(inputs, deterministic=True)
+    m.attention_fn = nnx.dot_product_attention
+    close(got, m(inputs, deterministic=True), atol=2e-6)
+
+

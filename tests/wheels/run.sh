@@ -6,8 +6,10 @@
 #
 # --variant full (default): every wheel in dist/ (core, each backend, the
 #   conformance suite); checks `attn-backends list`, one attention call
-#   against the float64 oracle, `attn-backends check reference --quick`, and
-#   every tests/wheels/check_*.py (add a check for this install there).
+#   against jax.nn.dot_product_attention (one_call.py),
+#   `attn-backends check reference --quick`, and
+#   every tests/wheels/check_*.py (add a check for this install there, and
+#   any extra it needs to full_extras below).
 # --variant xla: `attn-backends[xla]` only (core + xla_native, no reference,
 #   no suite); checks `list` and one call served by xla_native.
 # --wheel FILE.whl: also install this wheel (say, a third-party backend a
@@ -25,6 +27,9 @@ repo="$(cd "$here/../.." && pwd)"
 dist="$repo/dist"
 python="${PYTHON:-python3}"
 variant=full
+# Extras of attn-backends the full install adds (comma-separated): a
+# tests/wheels/check_*.py that needs a PyPI package (flax: "flax") names it here.
+full_extras=""
 extra_wheels=()
 scripts=()
 while [ $# -gt 0 ]; do
@@ -67,7 +72,11 @@ cd "$scratch"
 
 pip_install=("$py" -m pip install -q --no-compile --find-links "$dist")
 if [ "$variant" = full ]; then
-    "${pip_install[@]}" "${wheels[@]}" ${extra_wheels[@]+"${extra_wheels[@]}"}
+    core="$(wheel_of attn_backends)"
+    others=()
+    for wheel in "${wheels[@]}"; do [ "$wheel" = "$core" ] || others+=("$wheel"); done
+    [ -z "$full_extras" ] || core="$core[$full_extras]"
+    "${pip_install[@]}" "$core" "${others[@]}" ${extra_wheels[@]+"${extra_wheels[@]}"}
     expected="reference xla_native"
 else
     # The extra must name the backend's distribution: pip finds it in dist/.

@@ -40,12 +40,15 @@ tolerances of the suites this field trusts:
   use the same orders: about 1e-2 relative for bfloat16 outputs, a few times
   that for gradients.
 
-float32 on CPU is set from measurement instead, so that a bug shows: each
-number is at most 100x the worst per-element error any backend of this
-repository reaches in any case family of the conformance suite, except where
-that worst error is below the stated floor (``docs/FAULTS_COVERAGE.md`` of
-the repository lists the measured worst errors, the ratio per family and the
-command that reproduces them). Loosening a number needs a written reason
+float32 on CPU is set from measurement instead, so that a bug shows: in
+every case family of the conformance suite, the tolerance is at most 100x
+the worst per-element error any backend of this repository reaches there
+(the measured ratios are 18x to 85x), with a floor of 1e-5 (see the
+comment at ``_F32_EXACT``). The suites above are far looser for float32
+(PyTorch's rtol 1.3e-6 is per element but its atol 1e-5 is absolute; splash
+runs at TPU precision), so they are not the source of these numbers.
+``docs/FAULTS_COVERAGE.md`` of the repository lists the figures and the
+command that reproduces them. Loosening a number needs a written reason
 next to it.
 """
 
@@ -88,33 +91,23 @@ class Tolerance:
             )
 
 
-def _row(why: str, **pairs: tuple[float, float]) -> dict[str, Tolerance]:
-    return {name: Tolerance(atol, rtol, why) for name, (atol, rtol) in pairs.items()}
-
-
-# float32 where matmuls are exact float32 (CPU). Measured: see the module
-# docstring; every pair is <= 100x the worst in-repo error of its output.
+# float32 where matmuls are exact float32 (CPU), set from measurement: the
+# worst error any in-repo backend reaches in each case family of the suite is
+# 1/18 to 1/85 of these (benchmarks/tolerance_margins.py; the figures per
+# family are in docs/FAULTS_COVERAGE.md). Floor: none is below 1e-5, some 80
+# float32 ulps of an order-1 value, because blockwise kernels legitimately
+# reorder sums of a thousand terms; cases whose error is exactly 0 (one
+# visible key, one-hot rows) have no ratio.
+_MEASURED = "float32 CPU: 18x-85x the worst in-repo error per family (measured)"
 _F32_EXACT = {
-    "out": Tolerance(2e-5, 2e-5, "measured worst in-repo error x <= 100 (float32 CPU)"),
-    "lse": Tolerance(2e-5, 2e-5, "measured worst in-repo error x <= 100 (float32 CPU)"),
-    "dq": Tolerance(5e-5, 5e-5, "measured worst in-repo error x <= 100 (float32 CPU)"),
-    "dk": Tolerance(5e-5, 5e-5, "measured worst in-repo error x <= 100 (float32 CPU)"),
-    "dv": Tolerance(2e-5, 2e-5, "measured worst in-repo error x <= 100 (float32 CPU)"),
-    "dbias": Tolerance(5e-5, 5e-5, "measured worst in-repo error x <= 100 (float32 CPU)"),
-}
-
-# float32 matmuls in TensorFloat-32 (GPU default precision): 10 significant
-# bits like float16, so float16's row, which PyTorch's TF32 SDPA tests match.
-_F32_TF32 = {
-    name: Tolerance(t.atol, t.rtol, f"TF32 matmuls (GPU default precision): as float16; {t.why}")
-    for name, t in (
-        ("out", Tolerance(1e-3, 2e-3, "PyTorch float16 1e-3, x2")),
-        ("lse", Tolerance(1e-3, 2e-3, "splash lse 1e-3, x2")),
-        ("dq", Tolerance(1e-3, 1e-2, "PyTorch float16 1e-3 x fudge ~8")),
-        ("dk", Tolerance(1e-3, 1e-2, "PyTorch float16 1e-3 x fudge ~8")),
-        ("dv", Tolerance(1e-3, 5e-3, "PyTorch float16 1e-3 x fudge ~4")),
-        ("dbias", Tolerance(1e-3, 1e-2, "same sums as dq/dk")),
-    )
+    "out": Tolerance(1e-5, 1e-5, _MEASURED),
+    "lse": Tolerance(1e-5, 1e-5, _MEASURED),
+    # dq, dk and dbias sum over keys (or queries) with cancellation: their
+    # elements near 0 carry the absolute error of the whole sum.
+    "dq": Tolerance(2.5e-5, 2.5e-5, _MEASURED),
+    "dk": Tolerance(2.5e-5, 2.5e-5, _MEASURED),
+    "dv": Tolerance(1e-5, 1e-5, _MEASURED),
+    "dbias": Tolerance(2.5e-5, 2.5e-5, _MEASURED),
 }
 
 # float32 matmuls in one bfloat16 pass (TPU default precision): splash's own
@@ -155,6 +148,13 @@ _F16 = {
     "dbias": Tolerance(4e-3, 1e-2, "same sums as dq/dk"),
 }
 
+# float32 matmuls in TensorFloat-32 (GPU default precision): 10 significant
+# bits like float16, so float16's row.
+_F32_TF32 = {
+    name: Tolerance(t.atol, t.rtol, f"TF32 matmuls (GPU default precision): as float16; {t.why}")
+    for name, t in _F16.items()
+}
+
 #: ``TOLERANCES[platform][dtype][output]``: the whole table, documented above.
 TOLERANCES: dict[str, dict[str, dict[str, Tolerance]]] = {
     "cpu": {"float32": _F32_EXACT, "bfloat16": _BF16, "float16": _F16},
@@ -192,17 +192,24 @@ def tolerance(dtype: str, output: str, *, platform: str) -> Tolerance:
     return TOLERANCES[platform][dtype][output]
 
 
-def normalised_error(actual: object, oracle: object, tol: Tolerance) -> float:
-    """``max_i |actual_i - oracle_i| / (atol + rtol * |oracle_i|)``; pass when ``<= 1``.
+def normalised_error(
+    actual: object, oracle: object, tol: Tolerance, magnitude: object = None
+) -> float:
+    """``max_i |actual_i - oracle_i| / (atol + rtol * m_i)``; pass when ``<= 1``.
 
     ``actual`` and ``oracle``: arrays of one shape (any float dtype, NumPy or
-    JAX; compared in float64). Non-finite entries must match the oracle's
-    exactly (same positions, same value, e.g. ``-inf`` lse on fully masked
-    rows), else the error is ``inf``; a shape mismatch is ``inf`` too. Empty
-    or all non-finite (and matching) arrays have error 0.
+    JAX; compared in float64). ``m_i`` is ``|oracle_i|``, or ``magnitude_i``
+    when given: the runtime probe passes
+    :func:`attn_backends.oracle.magnitudes`, the size of the terms summed
+    into each element, so a gradient that cancels to ~0 (a row that sees one
+    key) is judged at the scale of its terms. Non-finite entries must match
+    the oracle's exactly (same positions, same value, e.g. ``-inf`` lse on
+    fully masked rows), else the error is ``inf``; a shape mismatch is
+    ``inf`` too. Empty or all non-finite (and matching) arrays have error 0.
     """
     a = np.asarray(actual, dtype=np.float64)
     o = np.asarray(oracle, dtype=np.float64)
+    m = np.abs(o) if magnitude is None else np.asarray(magnitude, dtype=np.float64)
     if a.shape != o.shape:
         return float("inf")
     finite = np.isfinite(o)
@@ -211,4 +218,4 @@ def normalised_error(actual: object, oracle: object, tol: Tolerance) -> float:
     if not finite.any():
         return 0.0
     ref = o[finite]
-    return float(np.max(np.abs(a[finite] - ref) / (tol.atol + tol.rtol * np.abs(ref))))
+    return float(np.max(np.abs(a[finite] - ref) / (tol.atol + tol.rtol * m[finite])))

@@ -196,6 +196,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     seqs = [int(s) for s in args.seq.split(",")]
     if min(seqs) < 1:
         raise ValueError(f"--seq: expected sequence lengths >= 1, got {args.seq}")
+    if args.decode:
+        return _bench_decode(args, platform, seqs)
     rows = _bench.run(
         _registry(), platform,
         backends=args.backends.split(",") if args.backends else None,
@@ -219,6 +221,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
             heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
             causal=not args.no_causal, platform=platform, device_kind=device_kind(platform)))
         print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _bench_decode(args: argparse.Namespace, platform: str, kv_lens: list[int]) -> int:
+    from dataclasses import asdict
+
+    from ._bench_decode import run_decode
+
+    rows = run_decode(
+        _registry(), platform, backends=args.backends.split(",") if args.backends else None,
+        kv_lens=kv_lens, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+        reps=args.reps,
+    )
+    if not rows:
+        print("attn-backends bench --decode: nothing was timed: none of the backends asked "
+              "for can serve these calls here (attn-backends explain says why)", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+        return 0
+    table = [[r.backend, str(r.kv_len), f"{r.ms:.2f}", f"{100 * r.bandwidth_share:.0f}%",
+              "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"] for r in rows]
+    print(_table(table, ["backend", "Tk", "best ms", "of jnp.sum bandwidth",
+                         "reference / backend"]))
     return 0
 
 
@@ -292,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p_bench.add_argument("--no-causal", action="store_true")
     p_bench.add_argument("--reps", type=_positive, default=5)
+    p_bench.add_argument("--decode", action="store_true",
+                         help="time decode steps (one query, GQA 4, kv_lengths) against caches "
+                         "of the --seq lengths, with each backend's share of the jnp.sum "
+                         "bandwidth; --no-causal and --plot do not apply")
     p_bench.add_argument("--json", action="store_true")
     p_bench.add_argument("--plot", default=None, metavar="FILE.png", help="needs attn-backends[plot]")
     p_bench.set_defaults(func=cmd_bench)

@@ -14,10 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attn_backend_flash_pallas import FlashPallasBackend, SplashBlockSizes, interpret_mode
-from attn_backends_contracts._oracle import attention, attention_vjp
+from attn_backends_contracts._oracle import attention, attention_vjp, visibility
 
 BACKEND = FlashPallasBackend()
 TOL = {"float32": 2e-4, "bfloat16": 3e-2}
+#: Finite but huge: what hidden positions hold in the ``garbage`` cases. With it
+#: in a hidden key, splash's unmasked ``ds = p * (dp - di)`` is ``0 * inf``.
+GARBAGE = 3e37
 
 
 def _inputs(rng, b, tq, tk, hq, hkv, d, dtype, dv=None):
@@ -26,12 +29,35 @@ def _inputs(rng, b, tq, tk, hq, hkv, d, dtype, dv=None):
     return arrays, [np.asarray(a, np.float64) for a in arrays]
 
 
+def _with_garbage(q, k, v, hq, **kw):
+    """GARBAGE in every key no live row sees and in every row past ``q_lengths``."""
+    b, tq, _, _ = q.shape
+    tk = k.shape[1]
+    masking = {n: x for n, x in kw.items() if n not in ("softcap", "scale")}
+    seen = visibility(b, hq, tq, tk, **masking).any(axis=(1, 2))  # [B, Tk]
+    k = jnp.where(seen[:, :, None, None], k, GARBAGE).astype(k.dtype)
+    v = jnp.where(seen[:, :, None, None], v, -GARBAGE).astype(v.dtype)
+    if kw.get("q_lengths") is not None:
+        live = np.arange(tq)[None, :] < np.asarray(kw["q_lengths"])[:, None]
+        q = jnp.where(live[:, :, None, None], q, GARBAGE).astype(q.dtype)
+    assert (~seen).any(), "a garbage case must hide some key"
+    return q, k, v
+
+
 def _check_case(
-    *, b=2, tq=200, tk=200, hq=4, hkv=2, d=64, dv=None, dtype="float32", seed=0, **kw
+    *, b=2, tq=200, tk=200, hq=4, hkv=2, d=64, dv=None, dtype="float32", seed=0,
+    garbage=False, **kw
 ):
-    """Run forward + vjp (with out and lse cotangents); compare all with the oracle."""
+    """Run forward + vjp (with out and lse cotangents); compare all with the oracle.
+
+    ``garbage``: hidden keys and rows past ``q_lengths`` hold GARBAGE, which must
+    change nothing (the oracle gets the same arrays: it ignores hidden positions).
+    """
     rng = np.random.default_rng(seed)
-    (q, k, v), (q64, k64, v64) = _inputs(rng, b, tq, tk, hq, hkv, d, dtype, dv)
+    (q, k, v), _ = _inputs(rng, b, tq, tk, hq, hkv, d, dtype, dv)
+    if garbage:
+        q, k, v = _with_garbage(q, k, v, hq, **kw)
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
     call, operands = attn_backends.bind(q, k, v, return_lse=True, **kw)
     with interpret_mode():
         fn = jax.jit(lambda q, k, v: BACKEND.attend(call, q, k, v, operands))
@@ -85,25 +111,31 @@ def test_length_one_causal(tq, tk):
 
 
 def test_causal_with_left_window_bfloat16():
-    _check_case(tq=200, tk=200, hq=4, hkv=2, causal=True, window=(40, None), dtype="bfloat16")
+    # Rows past q_lengths and the keys only they would see hold garbage.
+    _check_case(tq=200, tk=200, hq=4, hkv=2, causal=True, window=(40, None), dtype="bfloat16",
+                q_lengths=np.array([150, 200], np.int32), garbage=True)
 
 
 def test_segment_ids_and_lengths_with_empty_example():
     rng = np.random.default_rng(3)
     q_ids = np.sort(rng.integers(0, 3, (2, 200)), axis=1).astype(np.int32)
     kv_ids = np.sort(rng.integers(0, 3, (2, 200)), axis=1).astype(np.int32)
-    kv_ids[1, 100:] = 7  # segment 7 exists only on the kv side; it must stay invisible
+    kv_ids[0, 120:] = 7  # segment 7 exists only on the kv side; it must stay invisible
     _, dead = _check_case(
         segment_ids=(q_ids, kv_ids),
         kv_lengths=np.array([150, 0], np.int32),
         q_lengths=np.array([180, 200], np.int32),
+        garbage=True,
     )
     assert dead[1].all() and dead[0, :, 180:].all()
 
 
 def test_segment_ids_causal_bfloat16():
     ids = np.repeat(np.arange(4, dtype=np.int32), [30, 70, 90, 10])[None].repeat(2, 0)
-    _check_case(segment_ids=(ids, ids), causal=True, softcap=30.0, dtype="bfloat16")
+    # softcap: splash differentiates tanh of the unmasked q·k, so hidden keys
+    # (past kv_lengths, holding garbage) must be zeros by the time it runs.
+    _check_case(segment_ids=(ids, ids), causal=True, softcap=30.0, dtype="bfloat16",
+                kv_lengths=np.array([190, 120], np.int32), garbage=True)
 
 
 def test_masking_flags_change_the_output():

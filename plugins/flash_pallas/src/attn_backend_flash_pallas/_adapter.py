@@ -1,10 +1,10 @@
 """The mapping from a contract call (BTNH) to the splash kernels ([B, H, T, D]) and back.
 
-Steps: pre-scale q (splash does not scale; softcap then applies to
-``scale * q·k`` as the contract says), pad Tq and Tk to the block multiples,
-move heads before time, build the band and the segment ids, run the kernel
-(vmapped over batch), then cut the padding, restore BTNH and zero the rows past
-``q_lengths``.
+Steps: zero what no live row may see (``_sanitize``), pre-scale q (splash
+does not scale; softcap then applies to ``scale * q·k`` as the contract says),
+pad Tq and Tk to the block multiples, move heads before time, build the band
+and the segment ids, run the kernel (rows past ``q_lengths`` and the padding
+marked dead), then cut the padding and restore BTNH.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from attn_backends import AttentionCall, Operands
 
-from . import _masks
+from . import _masks, _sanitize
 from ._config import SplashBlockSizes
 from ._interpret import interpret_enabled
 
@@ -62,7 +62,10 @@ def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands, options
         x = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
         return x.transpose(0, 2, 1, 3)
 
+    k, v = _sanitize.hide_keys(call, k, v, operands)
     q_scaled = q * jnp.asarray(call.scale, q.dtype)
+    # Rows past q_lengths and the padding are dead rows of the kernel function.
+    rows = jnp.pad(_sanitize.live_rows(call, operands), ((0, 0), (0, tq_pad - call.q_len)))
     ids: tuple[Any, ...] = ()
     if _masks.needs_segment_ids(call, tk_pad):
         ids = _masks.segment_ids(call, operands, tq_pad, tk_pad)
@@ -77,12 +80,8 @@ def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands, options
         interpret=interpret,
     )
     out, lse = _kernel.attention_fn(plan)(
-        to_kernel(q_scaled, tq_pad), to_kernel(k, tk_pad), to_kernel(v, tk_pad), *ids
+        to_kernel(q_scaled, tq_pad), to_kernel(k, tk_pad), to_kernel(v, tk_pad), rows, *ids
     )
     out = out[:, :, : call.q_len].transpose(0, 2, 1, 3)
     lse = lse[:, :, : call.q_len]
-    if operands.q_lengths is not None:
-        row = jnp.arange(call.q_len)[None, :] < operands.q_lengths[:, None]  # [B, Tq]
-        out = jnp.where(row[:, :, None, None], out, jnp.zeros((), out.dtype))
-        lse = jnp.where(row[:, None, :], lse, -jnp.inf)
     return (out, lse) if call.return_lse else out

@@ -169,12 +169,16 @@ def _emulated_on_cpu(plan: KernelPlan, one: Callable[..., Any]) -> Callable[...,
 
 @functools.lru_cache(maxsize=64)
 def attention_fn(plan: KernelPlan) -> Callable[..., tuple[Any, Any]]:
-    """``f(q, k, v, *ids) -> (out, lse)``, differentiable in q, k, v.
+    """``f(q, k, v, rows, *ids) -> (out, lse)``, differentiable in q, k, v.
 
     q ``[B, Hq, Tq, D]`` (already scaled), k ``[B, Hkv, Tk, D]``, v ``[B, Hkv,
-    Tk, Dv]``; ids (only when ``plan.segmented``): q ``[B, Tq]``, kv ``[B, Tk]``
-    int32. out ``[B, Hq, Tq, Dv]`` (q's dtype), lse ``[B, Hq, Tq]`` float32;
-    rows that see no key give zeros and -inf.
+    Tk, Dv]``; rows: bool ``[B, Tq]``, False for rows whose output the contract
+    zeroes (past ``q_lengths``, padding); ids (only when ``plan.segmented``): q
+    ``[B, Tq]``, kv ``[B, Tk]`` int32. out ``[B, Hq, Tq, Dv]`` (q's dtype), lse
+    ``[B, Hq, Tq]`` float32; rows that see no key, and rows marked False, give
+    zeros and -inf. Both are dead rows for the backward: their cotangents are
+    dropped and their (zero) output enters ``di``, so whatever the kernel put
+    there (an overflow included) cannot reach dk or dv.
     """
 
     def forward_one(splash: _Splash, q, k, v, *ids):  # type: ignore[no-untyped-def]
@@ -212,12 +216,18 @@ def attention_fn(plan: KernelPlan) -> Callable[..., tuple[Any, Any]]:
     forward = _batch_as_leading(_emulated_on_cpu(plan, forward_one))
     backward = _batch_as_leading(_emulated_on_cpu(plan, backward_one))
 
-    @jax.custom_vjp
-    def attend(q, k, v, *ids):  # type: ignore[no-untyped-def]
-        return forward(q, k, v, *ids)
-
-    def attend_fwd(q, k, v, *ids):  # type: ignore[no-untyped-def]
+    def live_forward(q, k, v, rows, *ids):  # type: ignore[no-untyped-def]
         out, lse = forward(q, k, v, *ids)
+        dead = ~rows[:, None, :]
+        out = jnp.where(dead[..., None], jnp.zeros((), out.dtype), out)
+        return out, jnp.where(dead, -jnp.inf, lse)
+
+    @jax.custom_vjp
+    def attend(q, k, v, rows, *ids):  # type: ignore[no-untyped-def]
+        return live_forward(q, k, v, rows, *ids)
+
+    def attend_fwd(q, k, v, rows, *ids):  # type: ignore[no-untyped-def]
+        out, lse = live_forward(q, k, v, rows, *ids)
         return (out, lse), (q, k, v, out, lse, ids)
 
     def attend_bwd(res, cotangents):  # type: ignore[no-untyped-def]
@@ -229,9 +239,12 @@ def attention_fn(plan: KernelPlan) -> Callable[..., tuple[Any, Any]]:
         d_lse = jnp.where(dead, 0.0, d_lse.astype(jnp.float32))
         di = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
         # exp(mask_value - 0) == 0: dead rows add nothing, instead of inf * 0.
+        # Their q is zeroed too: with softcap the kernel differentiates tanh of
+        # the unmasked q·k, which a huge q would turn into NaN.
         lse_bwd = jnp.where(dead, 0.0, lse)
+        q = jnp.where(dead[..., None], jnp.zeros((), q.dtype), q)
         dq, dk, dv = backward(q, k, v, lse_bwd, d_out.astype(q.dtype), di, *ids)
-        return (dq, dk, dv, *(None for _ in ids))
+        return (dq, dk, dv, None, *(None for _ in ids))
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend

@@ -48,13 +48,38 @@ def resolve_blocks(call: AttentionCall, options: Any, interpret: bool) -> Splash
 
 
 def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands, options: Any) -> Any:
-    """Attention for a validated call; q ``[B, Tq, Hq, D]`` -> out ``[B, Tq, Hq, Dv]`` (+ lse)."""
+    """Attention for a validated call; q ``[B, Tq, Hq, D]`` -> out ``[B, Tq, Hq, Dv]`` (+ lse).
+
+    Decode calls (see ``_decode.declines``) run JAX's paged-attention kernel when
+    only evaluated, and splash when differentiated; every other call runs splash.
+    """
+    from . import _decode
+
+    interpret = interpret_enabled()
+    blocks = resolve_blocks(call, options, interpret)
+    if not _decode.declines(call):
+
+        def splash(q: Any, k: Any, v: Any) -> Any:
+            return _splash(call, q, k, v, operands, blocks, interpret)
+
+        return _decode.run(call, q, k, v, operands, splash, interpret)
+    return _splash(call, q, k, v, operands, blocks, interpret)
+
+
+def _splash(
+    call: AttentionCall,
+    q: Any,
+    k: Any,
+    v: Any,
+    operands: Operands,
+    blocks: SplashBlockSizes,
+    interpret: bool,
+) -> Any:
+    """The splash path: out ``[B, Tq, Hq, Dv]`` (+ lse)."""
     import jax.numpy as jnp
 
     from . import _kernel
 
-    interpret = interpret_enabled()
-    blocks = resolve_blocks(call, options, interpret)
     tq_pad, tk_pad = blocks.padded(call)
 
     def to_kernel(x: Any, length: int) -> Any:

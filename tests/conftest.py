@@ -14,9 +14,14 @@ from attn_backends import Backend
 
 @pytest.fixture
 def fake_registry() -> Callable[..., ab.Registry]:
-    """Build a Registry of in-process fake backends, no entry points."""
+    """Build a Registry of in-process fake backends, no entry points.
+
+    Probes are off unless asked for (``probe="auto"``): these tests are about
+    selection's machinery, and many fakes compute nothing (zeros).
+    """
 
     def build(*backends: Backend, **kwargs: Any) -> ab.Registry:
+        kwargs.setdefault("probe", None)
         return ab.Registry(plugins=[Plugin(*backends)], autoload=False, **kwargs)
 
     return build

@@ -94,17 +94,20 @@ def test_no_backend_error_carries_every_reason(fake_registry):
 
 def test_selection_runs_once_per_signature_at_trace_time(fake_registry):
     checks = []
-    reg = fake_registry(make_backend("counted", check=lambda call: checks.append(call) or []))
+    reg = fake_registry(make_backend("counted", check=lambda call: checks.append(call) or []),
+                        probe="auto")
     att = reg.get(device="cpu")
     step = jax.jit(lambda q, k, v: att(q, k, v, causal=True))
     q, k, v = qkv()
-    for _ in range(3):
-        step(q, k, v)
-    assert len(checks) == 1
-    att(q, k, v, causal=True)  # eager, same signature: cached selection
-    assert len(checks) == 1
-    step(q[:, :4], k, v)  # new shape: one more selection
+    step(q, k, v)
+    # Selection checks the call once; its probe checks its canonical probe call.
     assert len(checks) == 2
+    for _ in range(2):
+        step(q, k, v)
+    att(q, k, v, causal=True)  # eager, same signature: cached selection
+    assert len(checks) == 2
+    step(q[:, :4], k, v)  # new shape: one more selection, and its own probe
+    assert len(checks) == 4
 
 
 def test_threads_tracing_one_signature_at_once_select_and_warn_once(fake_registry):

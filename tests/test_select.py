@@ -80,15 +80,19 @@ def test_jax_outside_declared_range_is_a_reason_naming_both_versions():
 def test_probe_seam_runs_only_on_present_platform_survivors():
     seen = []
 
-    def probe(backend, call, platform):
-        seen.append(backend.name)
+    def probe(backend, call, platform, options):
+        seen.append((backend.name, options))
         return ["probe: output differs from reference"] if backend.name == "bad" else []
 
     bad, good = make_backend("bad", priority=9), make_backend("good", priority=1)
-    exp = _select([bad, good], probe=probe)
-    assert exp.chosen == "good" and seen == ["bad", "good"]
+    worse = make_backend("worse", priority=0)
+    exp = _select([bad, good, worse], probe=probe, options={"good": "tiles-of-8"})
+    # Probed until the first accepted backend, each under the caller's options.
+    assert exp.chosen == "good" and seen == [("bad", None), ("good", "tiles-of-8")]
     assert exp.verdicts[0].probed is True
     assert exp.verdicts[0].reasons == ("probe: output differs from reference",)
+    assert exp.verdicts[2].accepted and exp.verdicts[2].probed is None
+    assert "worse" in str(exp) and "ok (not probed: ranked below the chosen one)" in str(exp)
     seen.clear()
     absent = _select([bad, good], probe=probe, present=False)
     assert seen == [] and absent.chosen == "bad" and absent.verdicts[0].probed is None

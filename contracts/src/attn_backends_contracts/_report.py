@@ -31,7 +31,7 @@ def certificate(suite: Any, exitstatus: int) -> dict[str, Any]:
         cell[r["outcome"]] = cell.get(r["outcome"], 0) + 1
     failed = counts["failed"]
     return {
-        **_certificates.environment_key(backend.name, backend.version, suite.platform),
+        **_certificates.environment_key(backend, suite.platform),
         "api_version": attn_backends.API_VERSION,
         "backend_api_version": backend.api_version,
         "suite": "attn-backends-contracts",

@@ -12,7 +12,7 @@ import jax
 from ._backend import Backend
 from ._contract import AttentionCall, Operands, bind
 from ._errors import FallbackWarning, NoBackendError, PlatformUnavailableError, warn, UnsupportedError
-from ._guards import empty_result, no_gradient
+from ._guards import empty_result, no_gradient, refuse_unclaimed
 from ._platform import visible_platforms
 from ._select import Explanation, select
 from ._sharding import Layout, ShardingRequest, explain_sharded, resolve_layout, sharded_attention
@@ -90,6 +90,7 @@ class Attention:
             distributions={name: origin.distribution for name, origin in origins.items()},
             probe=self.registry.probe,
             call_for=call_for,
+            options=self.backend_options,
         )
 
     def explain(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Explanation:
@@ -191,6 +192,7 @@ class Attention:
         self, backend: Backend, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands
     ) -> Any:
         """Call ``backend`` on the whole (global) arrays, guarded and named."""
+        refuse_unclaimed(backend, call)
         q, k, v, operands = _guard_gradients(backend, q, k, v, operands)
         with jax.named_scope(f"attn/{backend.name}"):
             return backend.attend(

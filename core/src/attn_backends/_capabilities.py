@@ -109,6 +109,12 @@ class Capabilities:
         reasons = []
         if platform not in self.platforms:
             reasons.append(f"platform {platform!r} not in {sorted(self.platforms)}")
+        return reasons + self.unclaimed(call)
+
+    def unclaimed(self, call: AttentionCall) -> list[str]:
+        """What ``call`` uses that this manifest does not claim (dtype, head dims,
+        features), whatever the platform; empty if none."""
+        reasons = []
         if call.dtype not in self.dtypes:
             reasons.append(f"dtype {call.dtype} not in {sorted(self.dtypes)}")
         reasons += self.head_dims.reasons(call.head_dim, "head_dim")

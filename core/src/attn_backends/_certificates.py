@@ -1,51 +1,58 @@
 """Conformance certificates: stored by `attn-backends check`, shown by `list`.
 
-A certificate is valid for one environment key: backend name and version,
-jax/jaxlib/libtpu versions, platform and device kind.
+A certificate is found by its environment (backend name and version,
+jax/jaxlib/libtpu versions, platform, device kind) and counts only while the
+code that earned it is unchanged: it records digests of the backend's
+package, of core and of the suite (:mod:`._digests`), and any difference
+voids it, with the reason shown by ``attn-backends list``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._backend import Backend
+from ._digests import code_digests
 from ._environment import cache_dir, device_kind, versions
 from ._errors import AttnBackendsWarning, warn
 
 KEY_FIELDS = ("backend", "backend_version", "jax", "jaxlib", "libtpu", "platform", "device_kind")
 
 
-def environment_key(backend: str, backend_version: str, platform: str) -> dict[str, Any]:
-    """The fields a certificate must match to count for this environment."""
+def environment_key(backend: Backend, platform: str) -> dict[str, Any]:
+    """The fields a certificate is stored under, plus the code digests it must match."""
     found = versions()
     return {
-        "backend": backend,
-        "backend_version": backend_version,
+        "backend": backend.name,
+        "backend_version": backend.version,
         "jax": found["jax"],
         "jaxlib": found["jaxlib"],
         "libtpu": found["libtpu"],
         "platform": platform,
         "device_kind": device_kind(platform),
+        "code_digests": code_digests(backend),
     }
 
 
 def _path(key: dict[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    fields = {f: key.get(f) for f in KEY_FIELDS}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "certificates" / f"{key['backend']}-{digest}.json"
 
 
 def store(certificate: dict[str, Any]) -> Path | None:
     """Save ``certificate`` (which holds the KEY_FIELDS) in the cache; warn if it cannot."""
-    key = {f: certificate.get(f) for f in KEY_FIELDS}
-    path = _path(key)
+    path = _path(certificate)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(certificate, indent=2, sort_keys=True))
     except OSError as exc:
         warn(
-            f"could not store the certificate for {key['backend']!r} in {path.parent}: {exc}",
+            f"could not store the certificate for {certificate['backend']!r} in {path.parent}: {exc}",
             AttnBackendsWarning,
         )
         return None
@@ -61,14 +68,47 @@ def is_full_pass(certificate: dict[str, Any]) -> bool:
     )
 
 
-def find(backend: str, backend_version: str, platform: str) -> dict[str, Any] | None:
-    """The stored certificate matching this environment, or None."""
-    key = environment_key(backend, backend_version, platform)
-    path = _path(key)
+@dataclass(frozen=True)
+class CertificateStatus:
+    """The stored certificate for a backend here (or None), and whether it counts.
+
+    ``void`` says why a found certificate does not count (empty when it does,
+    or when none was found).
+    """
+
+    certificate: dict[str, Any] | None
+    void: tuple[str, ...] = ()
+
+    @property
+    def counts(self) -> bool:
+        """A full passing run, earned by the code installed now."""
+        return self.certificate is not None and not self.void and is_full_pass(self.certificate)
+
+
+def _void_reasons(stored: dict[str, Any], now: dict[str, str | None]) -> list[str]:
+    earned = stored.get("code_digests")
+    if not isinstance(earned, dict):
+        return ["it records no code digest (made by an older attn-backends): run check again"]
+    reasons = []
+    for part, what in (("backend", "the backend's code"), ("core", "attn-backends core"),
+                       ("suite", "the conformance suite")):
+        if part == "suite" and now.get(part) is None:
+            continue  # the suite is not installed here: nothing to compare with
+        if earned.get(part) != now.get(part):
+            reasons.append(
+                f"{what} changed since it was certified "
+                f"(digest {earned.get(part)} then, {now.get(part)} now)"
+            )
+    return reasons
+
+
+def status(backend: Backend, platform: str) -> CertificateStatus:
+    """The certificate stored for ``backend`` in this environment, and whether it counts."""
+    key = environment_key(backend, platform)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(_path(key).read_text())
     except (OSError, ValueError):
-        return None
+        return CertificateStatus(None)
     if not isinstance(data, dict) or any(data.get(f) != key[f] for f in KEY_FIELDS):
-        return None
-    return data
+        return CertificateStatus(None)
+    return CertificateStatus(data, tuple(_void_reasons(data, key["code_digests"])))

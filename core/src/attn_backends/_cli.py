@@ -137,23 +137,52 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0 if explanation.chosen else 1
 
 
+def _print_quarantined(records: list[dict[str, Any]]) -> None:
+    if not records:
+        print("no quarantined verdicts in the probe cache")
+        return
+    print(f"{len(records)} quarantined verdict(s) (attn-backends probe --clear NAME forgets them):")
+    for r in records:
+        key = r.get("key", {})
+        print(f"  {key.get('backend')} {key.get('backend_version')} on {key.get('platform')}"
+              f" (jax {key.get('jax')}, options {key.get('options') or 'default'}, {r.get('date')})")
+        print(f"    probe call: {r.get('probe_call')}  (first seen on {r.get('first_seen_on')})")
+        for reason in r.get("reasons", []):
+            print(f"    - {reason}")
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
+    from . import _probe, _verdicts
     from ._platform import resolve
-    from ._probe import Prober
 
     registry = _registry()
+    if args.clear is not None:
+        name = None if args.clear == "" else args.clear
+        if name is not None:
+            registry.backend(name)
+        removed = _verdicts.clear(name)
+        if isinstance(registry.probe, _probe.Prober):
+            registry.probe.forget()
+        print(f"removed {removed} probe verdict(s) of {name or 'every backend'} from {_verdicts.folder()}")
+        return 0
+    if args.quarantined:
+        records = _probe.quarantined()
+        if args.json:
+            print(json.dumps(records, indent=2))
+        else:
+            _print_quarantined(records)
+        return 1 if records else 0
     platform, present = resolve(args.device)
     if not present:
         print(f"attn-backends probe: JAX sees no {platform} here; probes run on the real device",
               file=sys.stderr)
         return 2
-    prober = registry.probe if isinstance(registry.probe, Prober) else Prober(
-        lambda: registry.backends.get("reference"))
+    prober = registry.probe if isinstance(registry.probe, _probe.Prober) else _probe.Prober()
     names = args.backends.split(",") if args.backends else sorted(registry.backends)
     results, quarantined = [], 0
     for name in names:
         backend = registry.backend(name)
-        for call in _report.probe_plan(backend):
+        for call in _probe.probe_plan(backend):
             if backend.capabilities.unmet(call, platform):
                 continue
             print(f"probing {name}: {call.describe()} ...", file=sys.stderr, flush=True)
@@ -170,6 +199,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
         rows = [[r["backend"], r["call"], "ok" if r["passed"] else "QUARANTINED", r["source"],
                  f"{r['seconds']:.2f}", "; ".join(r["reasons"]) or "-"] for r in results]
         print(_table(rows, ["backend", "call", "verdict", "source", "seconds", "reasons"]))
+        print()
+        _print_quarantined(_probe.quarantined())
     return 1 if quarantined else 0
 
 
@@ -296,9 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_exp.add_argument("--json", action="store_true")
     p_exp.set_defaults(func=cmd_explain)
 
-    p_probe = sub.add_parser("probe", help="fill the probe cache for installed backends on this device")
+    p_probe = sub.add_parser(
+        "probe", help="probe installed backends on this device; list or clear quarantines")
     p_probe.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
     p_probe.add_argument("--backends", default=None, help="comma-separated names (default: all)")
+    p_probe.add_argument("--quarantined", action="store_true",
+                         help="only list the quarantined verdicts in the cache, with their numbers")
+    p_probe.add_argument("--clear", nargs="?", const="", default=None, metavar="NAME",
+                         help="forget the cached verdicts of NAME (of every backend without NAME)")
     p_probe.add_argument("--json", action="store_true")
     p_probe.set_defaults(func=cmd_probe)
 

@@ -197,11 +197,29 @@ class Loader:
         except (pluggy.PluginValidationError, ValueError) as exc:
             self.problem(origin, f"is not a valid plugin: {exc}")
             return
+        # As pluggy's check_pending(), per plugin: a marked implementation of
+        # a hook core does not define (a misspelt name) would never be called.
+        unknown = sorted(caller.name for caller in self._pm.get_hookcallers(plugin) or []
+                         if not caller.has_spec())
+        if unknown:
+            self._pm.unregister(plugin)
+            self.problem(
+                origin,
+                f"implements unknown hook(s) {', '.join(unknown)}; core defines only "
+                "attn_backends_register (check the spelling): not registered",
+            )
+            return
         impls = [
             impl
             for impl in self._pm.hook.attn_backends_register.get_hookimpls()
             if impl.plugin is plugin
         ]
+        if not impls:
+            self.problem(
+                origin,
+                "defines no attn_backends_register() marked with @attn_backends.hookimpl: "
+                "it registers no backend",
+            )
         for impl in impls:
             try:
                 returned = impl.function()

@@ -8,8 +8,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._backend import Backend
 from ._contract import AttentionCall
 from ._errors import UnsupportedError
+
+
+def refuse_unclaimed(backend: Backend, call: AttentionCall) -> None:
+    """Raise UnsupportedError when ``call`` uses what ``backend``'s manifest does not claim.
+
+    Core's one home for this rule: every path that hands a call to
+    ``backend.attend`` runs it first, so no backend needs its own copy and
+    none can be handed a feature it would silently ignore.
+    """
+    reasons = backend.capabilities.unclaimed(call)
+    if reasons:
+        raise UnsupportedError(
+            f"backend {backend.name!r} cannot serve {call.describe()}: " + "; ".join(reasons)
+        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -1,47 +1,105 @@
-"""Runtime probes: a tiny compile-and-compare against the reference, cached on disk.
+"""The probe policy: when a backend is probed, what a verdict covers, where it is kept.
 
-The probe of a backend for a key (backend and its version, jax/jaxlib/libtpu,
-platform, device kind, dtype, feature set, head dims) runs the backend and the
-``reference`` backend on the same small random call, forward and the gradient
-w.r.t. q, and compares. The verdict is kept in memory (bounded) and on disk
-under the cache directory; a conformance certificate for the same environment
-counts as a passed probe. A backend whose probe raises, disagrees or exceeds
-the time budget is quarantined for that key.
+Selection asks the registry's :class:`Prober` about a backend only once
+every check before it has passed, and only until the first backend in rank
+order is accepted. A verdict is about the backend's *canonical probe call*
+for the caller's call (:mod:`._probe_call`: shape classes kept, lengths
+made canonical) under the caller's options for that backend; its key
+(:func:`probe_key`) holds that call, the options, the backend's name,
+version and code digest, core's digest, the jax/jaxlib/libtpu versions,
+platform and device kind. The verdict is kept in memory (bounded) and on
+disk (:mod:`._verdicts`), so every process sharing the cache reuses it.
+
+A stored certificate that still counts (:mod:`._certificates`: same
+environment, same code) stands for a passed probe of calls with default
+options. The dense oracle is core's own (:mod:`attn_backends.oracle`), so
+probes never depend on another distribution being installed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextvars
+import dataclasses
 import logging
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from . import _certificates, _probe_call
+from . import _certificates, _probe_call, _verdicts
 from ._backend import Backend
-from ._contract import AttentionCall
-from ._environment import cache_dir, device_kind, versions
+from ._contract import AttentionCall, bind
+from ._digests import code_digests
+from ._environment import device_kind, versions
 from ._errors import AttnBackendsWarning, warn
+from ._probe_run import run_probe
 
 logger = logging.getLogger("attn_backends")
 
-REFERENCE = "reference"
-#: Max error relative to the reference output's largest magnitude. Loose on
-#: purpose: a probe catches a broken kernel (errors of order 1), not rounding;
-#: TPU float32 matmuls default to bfloat16 passes, hence 1e-2 for float32.
-TOLERANCE = {"float32": 1e-2, "bfloat16": 6e-2, "float16": 2e-2}
 #: Probe wall-time budget (compile included), seconds; env ATTN_BACKENDS_PROBE_BUDGET_S.
 DEFAULT_BUDGET_S = 120.0
 #: Verdicts one Prober keeps in memory; older ones are evicted (disk keeps them).
 MEMORY_CACHE_SIZE = 1024
+
+_SAMPLE_HEAD_DIMS = (64, 128, 32, 256, 16, 8)
+
+
+def _head_dim(backend: Backend) -> int:
+    dims = backend.capabilities.head_dims
+    for d in _SAMPLE_HEAD_DIMS:
+        if not dims.reasons(d, "head_dim"):
+            return d
+    return min(dims.allowed) if dims.allowed else dims.multiple_of
+
+
+def sample_call(backend: Backend, dtype: str, features: frozenset[str]) -> AttentionCall:
+    """A representative call (B=2, T=128) using ``features`` in ``dtype``."""
+    import jax
+    import jax.numpy as jnp
+
+    sds = jax.ShapeDtypeStruct
+    b, t, d = 2, 128, _head_dim(backend)
+    hkv, hq = 2, 4 if "gqa" in features else 2
+    kw: dict[str, Any] = {
+        "causal": "causal" in features,
+        "window": (32, 0) if "window" in features else None,
+        "softcap": 30.0 if "softcap" in features else None,
+        "return_lse": "return_lse" in features,
+    }
+    if "segment_ids" in features:
+        kw["segment_ids"] = (sds((b, t), jnp.int32), sds((b, t), jnp.int32))
+    if "lengths" in features:
+        kw["kv_lengths"] = sds((b,), jnp.int32)
+    if "mask" in features:
+        kw["mask"] = sds((b, 1, t, t), jnp.bool_)
+    if "bias" in features:
+        kw["bias"] = sds((1, hq, t, t), jnp.dtype(dtype))
+    q = sds((b, t, hq, d), jnp.dtype(dtype))
+    kv = sds((b, t, hkv, d), jnp.dtype(dtype))
+    return bind(q, kv, kv, **kw)[0]
+
+
+def probe_plan(backend: Backend) -> list[AttentionCall]:
+    """Calls `attn-backends probe` checks: each dtype with no feature, causal, and all claimed."""
+    claimed = backend.capabilities.features
+    sets = [frozenset(), frozenset({"causal"}) & claimed, claimed]
+    unique = list(dict.fromkeys(sets))
+    return [sample_call(backend, dtype, fs) for dtype in sorted(backend.capabilities.dtypes) for fs in unique]
+
+
+def quarantined(backend: str | None = None) -> list[dict[str, Any]]:
+    """Failed verdicts on disk (of ``backend``, or all): key, probe call, reasons, date."""
+    return [r for r in _verdicts.records()
+            if "unreadable" not in r and not r.get("passed")
+            and (backend is None or r.get("key", {}).get("backend") == backend)]
+
+
+#: ``runner(backend, call, platform, options) -> reasons`` (None: nothing to compare).
+Runner = Callable[[Backend, AttentionCall, str, Any], "list[str] | None"]
 
 
 @dataclass(frozen=True)
@@ -54,118 +112,40 @@ class ProbeVerdict:
     source: str
 
 
-def probe_key(backend: Backend, call: AttentionCall, platform: str) -> dict[str, Any]:
+def options_token(options: Any) -> str | None:
+    """How the caller's options enter a verdict key: their ``repr`` (None: defaults).
+
+    Frozen dataclasses (the usual block-size configs) have a stable repr; an
+    object whose repr names its address is re-probed in each process.
+    """
+    return None if options is None else f"{type(options).__module__}.{type(options).__qualname__}:{options!r}"
+
+
+def probe_key(backend: Backend, call: AttentionCall, platform: str, options: Any = None) -> dict[str, Any]:
     """Everything a verdict depends on; its hash names the cache file."""
+    digests = code_digests(backend)
     return {
         "backend": backend.name,
         "backend_version": backend.version,
-        # Includes core's own version: the probe is core's code, so a new
-        # core re-probes instead of trusting verdicts of an older one.
+        "backend_digest": digests["backend"],
+        "core_digest": digests["core"],
         **versions(),
         "platform": platform,
         "device_kind": device_kind(platform),
-        "dtype": call.dtype,
-        "features": sorted(call.features),
-        "head_dim": call.head_dim,
-        "v_head_dim": call.v_head_dim,
+        "options": options_token(options),
+        "probe_call": dataclasses.asdict(_probe_call.canonical(call)),
     }
 
 
-def _digest(key: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _relative_error(got: Any, want: Any) -> float:
-    got = np.asarray(got, np.float32)
-    want = np.asarray(want, np.float32)
-    if not np.isfinite(got).all():
-        return float("inf")
-    scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-6)
-    return float(np.max(np.abs(got - want), initial=0.0)) / scale
-
-
-def _finite_rows(got: Any, want: Any) -> tuple[Any, Any]:
-    """lse with rows that see no key (``-inf`` in both) set to 0 so they compare
-    equal; a row ``-inf`` in only one of them stays non-finite and fails."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    empty = np.isneginf(got) & np.isneginf(want)
-    return np.where(empty, 0.0, got), np.where(empty, 0.0, want)
-
-
-def run_probe(
-    backend: Backend, reference: Backend, call: AttentionCall, platform: str
-) -> list[str] | None:
-    """Compare ``backend`` with ``reference`` on a shrunken ``call``.
-
-    Forward (out, and lse when the call returns it), and the gradient w.r.t.
-    q when the backend is differentiable.
-    Returns the reasons they differ (empty: they agree), or None when the
-    backend's ``check`` rejects every probe shape (nothing to compare).
-    """
-    import jax
-
-    small = next(
-        (c for c in (_probe_call.shrink(call, n) for n in _probe_call.PROBE_LENGTHS)
-         if not backend.check(c)),
-        None,
-    )
-    if small is None:
-        return None
-    q, k, v, ops, d_out = _probe_call.arrays(small)
-    with_grad = backend.capabilities.differentiable
-
-    def outputs(impl: Backend) -> dict[str, Any]:
-        def f(q: Any) -> tuple[Any, Any]:
-            result = impl.attend(small, q, k, v, ops)
-            return result if small.return_lse else (result, None)
-
-        named = {}
-        if with_grad:
-            out, vjp, lse = jax.vjp(f, q, has_aux=True)
-            named["dq"] = vjp(d_out)[0]
-        else:
-            # Not even linearised: a backend without gradients may not allow it.
-            out, lse = f(q)
-        named["output"] = out
-        if lse is not None:
-            # Ring attention and split-KV merging trust lse as much as out.
-            named["lse"] = lse
-        return named
-
-    with jax.default_device(jax.devices(platform)[0]):
-        got = jax.jit(lambda: outputs(backend))()
-        want = jax.jit(lambda: outputs(reference))()
-    tol = TOLERANCE[call.dtype]
-    reasons = []
-    # jit returns dicts with sorted keys: report in the order of the contract.
-    for what in (name for name in ("output", "lse", "dq") if name in want):
-        g, w = got[what], want[what]
-        if what == "lse":
-            g, w = _finite_rows(g, w)
-        err = _relative_error(g, w)
-        if not err <= tol:
-            reasons.append(
-                f"probe: {what} differs from the reference by {err:.3g} (relative; "
-                f"tolerance {tol:g}) on {small.describe()}"
-            )
-    return reasons
-
-
 class Prober:
-    """The registry's probe: ``prober(backend, call, platform) -> reasons``.
+    """The registry's probe: ``prober(backend, call, platform, options) -> reasons``.
 
-    ``reference`` returns the reference backend (or None when not installed).
-    ``runner`` does the comparison (tests substitute a fake one).
+    ``runner`` does the comparison (tests substitute a fake one). Returns
+    the reasons the backend failed (empty: passed), or None when nothing
+    was compared (its ``check`` rejects every probe shape).
     """
 
-    def __init__(
-        self,
-        reference: Callable[[], Backend | None],
-        *,
-        runner: Callable[[Backend, Backend, AttentionCall, str], list[str] | None] = run_probe,
-        budget_s: float | None = None,
-    ):
-        self._reference = reference
+    def __init__(self, *, runner: Runner = run_probe, budget_s: float | None = None):
         self._runner = runner
         env_budget = os.environ.get("ATTN_BACKENDS_PROBE_BUDGET_S")
         self.budget_s = budget_s if budget_s is not None else float(env_budget or DEFAULT_BUDGET_S)
@@ -173,57 +153,58 @@ class Prober:
         self._lock = threading.Lock()
         self._warned_disk = False
 
-    def __call__(self, backend: Backend, call: AttentionCall, platform: str) -> list[str] | None:
-        verdict = self.verdict(backend, call, platform)
+    def __call__(
+        self, backend: Backend, call: AttentionCall, platform: str, options: Any = None
+    ) -> list[str] | None:
+        verdict = self.verdict(backend, call, platform, options)
         return None if verdict.source == "unprobed" else list(verdict.reasons)
 
-    def verdict(self, backend: Backend, call: AttentionCall, platform: str) -> ProbeVerdict:
+    def verdict(
+        self, backend: Backend, call: AttentionCall, platform: str, options: Any = None
+    ) -> ProbeVerdict:
         """The cached verdict for this key, probing first if there is none."""
-        if backend.name == REFERENCE:
-            return ProbeVerdict(True, (), 0.0, "unprobed")  # the yardstick itself
-        key = probe_key(backend, call, platform)
-        digest = _digest(key)
+        key = probe_key(backend, call, platform, options)
+        digest = _verdicts.digest(key)
         with self._lock:
             cached = self._memory.get(digest)
             if cached is not None:
                 self._memory.move_to_end(digest)
                 return cached
-        verdict = self._from_certificate(backend, platform) or self._read(digest, key)
+        verdict = (self._from_certificate(backend, platform) if options is None else None) or self._read(key)
         if verdict is None:
-            verdict = self._run(backend, call, platform)
+            verdict = self._run(backend, call, platform, options)
             if verdict.source == "unprobed":
                 return verdict  # nothing learnt: try again for the next signature
             if verdict.source == "run":
-                self._write(digest, key, verdict)
+                self._write(key, verdict, call)
         with self._lock:
             self._memory[digest] = verdict
             if len(self._memory) > MEMORY_CACHE_SIZE:
                 self._memory.popitem(last=False)
         return verdict
 
+    def forget(self) -> None:
+        """Drop the in-memory verdicts (after ``attn-backends probe --clear``)."""
+        with self._lock:
+            self._memory.clear()
+
     @property
     def memory_size(self) -> int:
         return len(self._memory)
 
-    def _run(self, backend: Backend, call: AttentionCall, platform: str) -> ProbeVerdict:
-        reference = self._reference()
-        if reference is None:
-            return ProbeVerdict(True, (), 0.0, "unprobed")
+    def _run(self, backend: Backend, call: AttentionCall, platform: str, options: Any) -> ProbeVerdict:
         start = time.perf_counter()
         # Selection runs while the caller's function is being traced, and JAX's
         # trace state is per thread: a worker thread runs the probe eagerly on
         # concrete arrays instead of joining the caller's program, and bounds
         # its time. It runs in a copy of the caller's context, so context-local
         # switches (e.g. flash_pallas' interpret_mode()) hold there too.
-        import contextvars
-        import queue
-
         context = contextvars.copy_context()
         done: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
 
         def work() -> None:
             try:
-                done.put(("ok", context.run(self._runner, backend, reference, call, platform)))
+                done.put(("ok", context.run(self._runner, backend, call, platform, options)))
             except Exception as exc:  # noqa: BLE001 - handed to the caller below
                 done.put(("raised", exc))
 
@@ -253,62 +234,48 @@ class Prober:
             return ProbeVerdict(True, (), seconds, "unprobed")
         reasons = list(outcome)
         if reasons:
-            logger.warning("backend %r quarantined for %s: %s", backend.name, call.describe(), reasons)
+            logger.warning(
+                "backend %r quarantined for %s (attn-backends probe --clear %s forgets it): %s",
+                backend.name, call.describe(), backend.name, reasons,
+            )
         return ProbeVerdict(not reasons, tuple(reasons), seconds, source)
 
     def _from_certificate(self, backend: Backend, platform: str) -> ProbeVerdict | None:
-        cert = _certificates.find(backend.name, backend.version, platform)
-        if cert is not None and _certificates.is_full_pass(cert):
+        if _certificates.status(backend, platform).counts:
             return ProbeVerdict(True, (), 0.0, "certificate")
         return None
-
-    def _path(self, digest: str) -> Path:
-        return cache_dir() / "probes" / f"{digest}.json"
 
     def _disk_warning(self, message: str) -> None:
         if not self._warned_disk:
             self._warned_disk = True
             warn(message, AttnBackendsWarning)
 
-    def _read(self, digest: str, key: dict[str, Any]) -> ProbeVerdict | None:
-        path = self._path(digest)
-        if not path.exists():
-            return None
+    def _read(self, key: dict[str, Any]) -> ProbeVerdict | None:
         try:
-            data = json.loads(path.read_text())
-            if data["key"] != key:
-                return None
-            return ProbeVerdict(bool(data["passed"]), tuple(data["reasons"]), float(data["seconds"]), "disk")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            data = _verdicts.read(key)
+        except (OSError, ValueError, TypeError) as exc:
             self._disk_warning(
-                f"probe cache entry {path} is unreadable ({type(exc).__name__}: {exc}); "
-                "probing again and keeping the verdict in memory"
+                f"probe cache entry {_verdicts.folder() / _verdicts.digest(key)}.json is unreadable "
+                f"({type(exc).__name__}: {exc}); probing again and keeping the verdict in memory"
             )
             return None
+        if data is None:
+            return None
+        return ProbeVerdict(bool(data["passed"]), tuple(data["reasons"]), float(data["seconds"]), "disk")
 
-    def _write(self, digest: str, key: dict[str, Any], verdict: ProbeVerdict) -> None:
-        path = self._path(digest)
-        record = {"key": key, **asdict(verdict)}
+    def _write(self, key: dict[str, Any], verdict: ProbeVerdict, call: AttentionCall) -> None:
+        record = {
+            "passed": verdict.passed,
+            "reasons": list(verdict.reasons),
+            "seconds": verdict.seconds,
+            "source": verdict.source,
+            "probe_call": _probe_call.canonical(call).describe(),
+            "first_seen_on": call.describe(),
+        }
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(record, indent=2))
-            tmp.replace(path)
+            _verdicts.write(key, record)
         except OSError as exc:
             self._disk_warning(
-                f"probe cache directory {path.parent} is not writable ({exc}); "
+                f"probe cache directory {_verdicts.folder()} is not writable ({exc}); "
                 "probe verdicts are kept in memory only (set ATTN_BACKENDS_CACHE_DIR)"
             )
-
-
-def cached_verdicts() -> list[dict[str, Any]]:
-    """Every verdict on disk (for `list` and `doctor`); an unreadable entry is
-    returned as ``{"path": ..., "unreadable": reason}``."""
-    folder = cache_dir() / "probes"
-    out: list[dict[str, Any]] = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, ValueError) as exc:
-            out.append({"path": str(path), "unreadable": f"{type(exc).__name__}: {exc}"})
-    return out

@@ -29,9 +29,10 @@ class Registry:
     ``plugins`` are in-process plugin objects (modules or instances holding
     ``@hookimpl`` functions), registered besides the entry points. Settings
     left as None come from the ``ATTN_BACKENDS_*`` environment variables when
-    discovery runs. ``probe`` is "auto" (compare each backend with the
-    reference once per key, cached on disk), None (no probes) or a callable
-    ``probe(backend, call, platform) -> reasons``.
+    discovery runs. ``probe`` is "auto" (compare each backend with core's
+    float64 oracle once per verdict key, cached on disk: docs/DESIGN.md,
+    "Probes"), None (no probes) or a callable
+    ``probe(backend, call, platform, options) -> reasons``.
     """
 
     def __init__(
@@ -52,9 +53,9 @@ class Registry:
             "disable": None if disable is None else frozenset(disable),
         }
         if probe == "auto":
-            from ._probe import REFERENCE, Prober
+            from ._probe import Prober
 
-            probe = Prober(lambda: self.backends.get(REFERENCE))
+            probe = Prober()
         self.probe: Probe | None = probe  # type: ignore[assignment]
         self._discovered: Discovered | None = None
         # Re-entrant: a plugin that reads the registry while it is imported

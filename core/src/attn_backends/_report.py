@@ -7,63 +7,17 @@ import platform as host
 import sys
 from typing import Any
 
-from . import _certificates, _probe
+from . import _certificates, _verdicts
 from ._backend import Backend
-from ._contract import AttentionCall, bind
 from ._environment import cache_dir, device_kind, versions
 from ._platform import resolve, visible_platforms
-
-_SAMPLE_HEAD_DIMS = (64, 128, 32, 256, 16, 8)
-
-
-def _head_dim(backend: Backend) -> int:
-    dims = backend.capabilities.head_dims
-    for d in _SAMPLE_HEAD_DIMS:
-        if not dims.reasons(d, "head_dim"):
-            return d
-    return min(dims.allowed) if dims.allowed else dims.multiple_of
-
-
-def sample_call(backend: Backend, dtype: str, features: frozenset[str]) -> AttentionCall:
-    """A representative call (B=2, T=128) using ``features`` in ``dtype``."""
-    import jax
-    import jax.numpy as jnp
-
-    sds = jax.ShapeDtypeStruct
-    b, t, d = 2, 128, _head_dim(backend)
-    hkv, hq = 2, 4 if "gqa" in features else 2
-    kw: dict[str, Any] = {
-        "causal": "causal" in features,
-        "window": (32, 0) if "window" in features else None,
-        "softcap": 30.0 if "softcap" in features else None,
-        "return_lse": "return_lse" in features,
-    }
-    if "segment_ids" in features:
-        kw["segment_ids"] = (sds((b, t), jnp.int32), sds((b, t), jnp.int32))
-    if "lengths" in features:
-        kw["kv_lengths"] = sds((b,), jnp.int32)
-    if "mask" in features:
-        kw["mask"] = sds((b, 1, t, t), jnp.bool_)
-    if "bias" in features:
-        kw["bias"] = sds((1, hq, t, t), jnp.dtype(dtype))
-    q = sds((b, t, hq, d), jnp.dtype(dtype))
-    kv = sds((b, t, hkv, d), jnp.dtype(dtype))
-    return bind(q, kv, kv, **kw)[0]
-
-
-def probe_plan(backend: Backend) -> list[AttentionCall]:
-    """Calls `attn-backends probe` checks: each dtype with no feature, causal, and all claimed."""
-    claimed = backend.capabilities.features
-    sets = [frozenset(), frozenset({"causal"}) & claimed, claimed]
-    unique = list(dict.fromkeys(sets))
-    return [sample_call(backend, dtype, fs) for dtype in sorted(backend.capabilities.dtypes) for fs in unique]
 
 
 def probe_summary(name: str) -> str:
     """``"3 ok, 1 quarantined"`` for verdicts on disk for this jax, or ``"-"``."""
     ok = bad = 0
     jax_version = versions()["jax"]
-    for record in _probe.cached_verdicts():
+    for record in _verdicts.records():
         key = record.get("key", {})
         if key.get("backend") == name and key.get("jax") == jax_version:
             ok, bad = (ok + 1, bad) if record.get("passed") else (ok, bad + 1)
@@ -73,9 +27,13 @@ def probe_summary(name: str) -> str:
 
 
 def certificate_summary(backend: Backend, platform: str) -> str:
-    cert = _certificates.find(backend.name, backend.version, platform)
+    """``"yes: 182/183 cases"``, ``"no"``, ``"FAILED (quick run)"`` or ``"VOID: <why>"``."""
+    found = _certificates.status(backend, platform)
+    cert = found.certificate
     if cert is None:
         return "no"
+    if found.void:
+        return "VOID: " + "; ".join(found.void)
     cases = cert.get("cases", {})
     verdict = "yes" if _certificates.is_full_pass(cert) else f"FAILED ({cert.get('mode')} run)"
     return f"{verdict}: {cases.get('passed', '?')}/{cases.get('run', '?')} cases"
@@ -105,5 +63,8 @@ def doctor(registry: Any) -> dict[str, Any]:
             for name, backend in sorted(backends.items())
         ],
         "load_problems": [str(p) for p in registry.problems],
-        "probe_cache_entries": len(_probe.cached_verdicts()),
+        "probes": "on: each backend is compared with core's float64 oracle once per "
+                  "verdict key before it serves (attn-backends probe --quarantined lists failures)"
+                  if registry.probe is not None else "off (Registry(probe=None))",
+        "probe_cache_entries": len(_verdicts.records()),
     }

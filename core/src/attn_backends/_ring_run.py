@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from ._contract import AttentionCall, Operands
 from ._errors import UnsupportedError
+from ._guards import refuse_unclaimed
 from ._ring import RingPlan, ring_fn
 from ._select import Explanation
 from ._sharding import Layout, ShardedExplanation, _local, operand_specs, place_all, present
@@ -239,6 +240,7 @@ def _positions(plan: RingPlan) -> Any:
 
 def _attend_with(backend: Backend, options: Any) -> Any:
     def attend(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands) -> Any:
+        refuse_unclaimed(backend, call)
         with jax.named_scope(f"attn/{backend.name}"):
             return backend.attend(call, q, k, v, ops, options)
 

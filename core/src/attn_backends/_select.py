@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from ._backend import Backend
 from ._contract import AttentionCall
 from ._versions import in_range
 
-#: ``probe(backend, call, platform) -> reasons`` (empty: passed; None: it could
-#: not probe, e.g. no reference to compare with). The registry's default is
-#: :class:`attn_backends._probe.Prober`.
-Probe = Callable[[Backend, AttentionCall, str], "list[str] | None"]
+#: ``probe(backend, call, platform, options) -> reasons`` (empty: passed; None:
+#: nothing was compared, e.g. the backend's check() rejects every probe shape).
+#: ``options`` are the caller's options for that backend (None: defaults). The
+#: registry's default is :class:`attn_backends._probe.Prober`.
+Probe = Callable[[Backend, AttentionCall, str, Any], "list[str] | None"]
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,14 @@ class Explanation:
     def __str__(self) -> str:
         status = "" if self.present else " (not present here: manifest only, unprobed)"
         lines = [f"call: {self.call.describe()}", f"platform: {self.platform}{status}"]
+        below_chosen = False
         for verdict in self.verdicts:
             mark = "CHOSEN" if verdict.backend == self.chosen else (
-                "ok" if verdict.accepted else "rejected"
+                "rejected" if not verdict.accepted else
+                "ok (not probed: ranked below the chosen one)" if below_chosen and self.present
+                and verdict.probed is None else "ok"
             )
+            below_chosen = below_chosen or verdict.backend == self.chosen
             lines.append(f"  {verdict.backend:<16} prio {verdict.priority:>4}  {mark}")
             lines += [f"      - {reason}" for reason in verdict.reasons]
         if self.chosen is None:
@@ -113,14 +119,17 @@ def select(
     distributions: dict[str, str] | None = None,
     probe: Probe | None = None,
     call_for: Callable[[Backend], AttentionCall] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> Explanation:
     """Judge every backend for ``call`` on ``platform`` and choose the first survivor.
 
     Steps: manifest filter, jax version range, ``check(call)``, then the probe
-    (only when the platform is present and a probe is given). ``call_for``
-    gives the call a backend will really receive when that differs from
-    ``call`` (a backend run per device sees the per-device shapes); checks and
-    probes judge that call.
+    (only when the platform is present and a probe is given, and only until a
+    backend is chosen: those ranked below it are not probed). ``options`` maps
+    a backend name to the caller's options, which its probe runs under.
+    ``call_for`` gives the call a backend will really receive when that
+    differs from ``call`` (a backend run per device sees the per-device
+    shapes); checks and probes judge that call.
     """
     verdicts = []
     chosen = None
@@ -128,8 +137,8 @@ def select(
         judged = call if call_for is None else call_for(backend)
         reasons = _reasons(backend, judged, platform, jax_version)
         probed = None
-        if not reasons and probe is not None and present:
-            outcome = probe(backend, judged, platform)
+        if not reasons and probe is not None and present and chosen is None:
+            outcome = probe(backend, judged, platform, (options or {}).get(backend.name))
             probed = outcome is not None
             reasons = list(outcome or ())
         accepted = not reasons

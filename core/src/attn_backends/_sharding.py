@@ -30,6 +30,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from ._contract import AttentionCall, Operands
+from ._guards import refuse_unclaimed
 from ._select import Explanation
 
 if TYPE_CHECKING:
@@ -330,6 +331,7 @@ def _split_fn(backend: Backend, options: Any, call: AttentionCall, layout: Layou
     out_specs = (layout.qkv_spec, layout.lse_spec) if call.return_lse else layout.qkv_spec
 
     def body(q: Any, k: Any, v: Any, ops: dict[str, Any]) -> Any:
+        refuse_unclaimed(backend, local)
         with jax.named_scope(f"attn/{backend.name}"):
             return backend.attend(local, q, k, v, Operands(**ops), options)
 

@@ -1,0 +1,164 @@
+"""One probe run: the backend on its canonical probe call, against the float64 oracle.
+
+Compares the output, lse (when the call returns it) and every gradient the
+backend declares (dq, dk, dv, and dbias with ``bias_grad``), each element
+judged by the one error measure and tolerance table of
+:mod:`attn_backends.tolerances` (shared with the conformance suite), with the
+size of the terms summed into each element as its scale
+(:func:`attn_backends.oracle.magnitudes`).
+So a gradient that is zero in exact arithmetic (a row that sees one key)
+is not read as a large relative error, while a wrong mask, a lost rescale or
+an overwritten accumulator (errors of the order of the terms) still is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _probe_call, oracle
+from ._backend import Backend
+from ._contract import AttentionCall, Operands
+from .tolerances import normalised_error, tolerance
+
+#: Outputs in the order they are reported.
+ORDER = ("out", "lse", "dq", "dk", "dv", "dbias")
+
+
+def probe_call(backend: Backend, call: AttentionCall) -> AttentionCall | None:
+    """The canonical call for ``call``, scaled up until ``backend.check`` accepts it."""
+    for scale_up in _probe_call.SCALE_UPS:
+        small = _probe_call.canonical(call, scale_up)
+        if not backend.check(small):
+            return small
+    return None
+
+
+def _oracle_results(call: AttentionCall, data: dict[str, Any], grads: tuple[str, ...]) -> tuple[dict, dict]:
+    ops = dict(data["operands"])
+    kwargs = dict(scale=call.scale, causal=call.causal, window=call.window, softcap=call.softcap, **ops)
+    q, k, v, d_out = data["q"], data["k"], data["v"], data["d_out"]
+    out, lse = oracle.attention(q, k, v, **kwargs)
+    want: dict[str, Any] = {"out": out}
+    if call.return_lse:
+        want["lse"] = lse
+    if grads:
+        vjp = oracle.attention_vjp(q, k, v, d_out, d_lse=data["d_lse"], **kwargs)
+        want.update({f"d{name}": vjp[name] for name in grads})
+    scale = oracle.magnitudes(q, k, v, d_out, d_lse=data["d_lse"], **kwargs)
+    return want, {name: scale[name] for name in want}
+
+
+def _backend_results(
+    backend: Backend, call: AttentionCall, data: dict[str, Any], grads: tuple[str, ...],
+    option_sets: list[Any],
+) -> list[dict[str, Any]]:
+    """The backend's outputs (and gradients) under each of ``option_sets``.
+
+    Two programs, each covering every option set: the forward alone (what
+    inference compiles) and, when ``grads``, forward and backward together
+    (what training compiles). They are compiled apart on purpose: XLA
+    optimises each program as a whole, so a kernel can be right in one and
+    wrong in the other, and a custom_vjp backend runs other code under vjp.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    names = ("q", "k", "v") + (("bias",) if "bias" in grads else ())
+    primals = [jnp.asarray(data["operands"]["bias"] if n == "bias" else data[n]) for n in names]
+    cotangents = (jnp.asarray(data["d_out"]),) + ((jnp.asarray(data["d_lse"]),) if call.return_lse else ())
+
+    def attend(options: Any, ops: Operands, xs: tuple[Any, ...]) -> Any:
+        named = dict(zip(names, xs))
+        operands = ops._replace(bias=named["bias"]) if "bias" in named else ops
+        return backend.attend(call, named["q"], named["k"], named["v"], operands, options)
+
+    def outputs(result: Any, suffix: str = "") -> dict[str, Any]:
+        if call.return_lse:
+            return {f"out{suffix}": result[0], f"lse{suffix}": result[1]}
+        return {f"out{suffix}": result}
+
+    # Every array is an argument of the jitted functions: as closure constants
+    # XLA would constant-fold the whole probe at compile time (seconds).
+    def forward(ops: Operands, *arrays: Any) -> list[dict[str, Any]]:
+        return [outputs(attend(options, ops, arrays)) for options in option_sets]
+
+    def training(ops: Operands, cotangent: tuple[Any, ...], *arrays: Any) -> list[dict[str, Any]]:
+        got = []
+        for options in option_sets:
+            result, vjp = jax.vjp(lambda *xs: attend(options, ops, xs), *arrays)
+            ct = cotangent if call.return_lse else cotangent[0]
+            got.append({**outputs(result, "_vjp"), **{f"d{n}": g for n, g in zip(names, vjp(ct))}})
+        return got
+
+    ops = _probe_call.operands(data["operands"])
+    results = jax.jit(forward)(ops, *primals)
+    if grads:
+        # Not even linearised without grads: a backend without gradients may not allow it.
+        results = [{**a, **b} for a, b in zip(results, jax.jit(training)(ops, cotangents, *primals))]
+    return [{name: np.asarray(x, np.float64) for name, x in r.items()} for r in results]
+
+
+def _compare(what: str, got: Any, want: Any, scale: Any, call: AttentionCall, platform: str) -> str | None:
+    """Why ``got`` is not within tolerance of ``want`` (None when it is)."""
+    tol = tolerance(call.dtype, what, platform=platform)
+    error = normalised_error(got, want, tol, magnitude=scale)
+    if error <= 1.0:
+        return None
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.isfinite(error):
+        return f"{what} has a wrong shape or non-finite values where the oracle is finite (or the reverse)"
+    finite = np.isfinite(want)
+    ratio = np.zeros(want.shape)
+    ratio[finite] = np.abs(got[finite] - want[finite]) / (tol.atol + tol.rtol * np.asarray(scale)[finite])
+    worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+    return (
+        f"{what} differs from the float64 oracle by {error:.3g}x its tolerance at "
+        f"{tuple(int(i) for i in worst)}: got {got[worst]:.6g}, want {want[worst]:.6g}, allowed "
+        f"{tol.atol:g} + {tol.rtol:g} x {float(np.asarray(scale)[worst]):.3g} (magnitude of the summed terms)"
+    )
+
+
+def run_probe(
+    backend: Backend, call: AttentionCall, platform: str, options: Any = None
+) -> list[str] | None:
+    """Run ``backend`` on the canonical probe call of ``call`` and compare with the oracle.
+
+    ``options`` are the caller's options for this backend. When the backend
+    declares small-tile options (:meth:`Backend.tile_small_options`), it also
+    runs under those, so a probe of a few dozen tokens crosses several of its
+    tiles. Returns the reasons it disagrees (empty: it agrees), or None when
+    its ``check`` rejects every probe shape (nothing to compare).
+    """
+    import jax
+
+    small = probe_call(backend, call)
+    if small is None:
+        return None
+    caps = backend.capabilities
+    grads: tuple[str, ...] = ()
+    if caps.differentiable:
+        grads = ("q", "k", "v") + (("bias",) if small.bias_shape is not None and caps.bias_grad else ())
+    data = _probe_call.inputs(small)
+    # Rows with no visible key are -inf - -inf in the oracle's lse algebra: by
+    # design, so NumPy must not warn (callers may turn warnings into errors).
+    with np.errstate(invalid="ignore", divide="ignore"):
+        want, scale = _oracle_results(small, data, grads)
+    runs = [("", options)]
+    tiled = backend.tile_small_options(small)
+    if tiled is not None:
+        runs.append((" under its small-tile options", tiled))
+    reasons = []
+    with jax.default_device(jax.devices(platform)[0]):
+        results = _backend_results(backend, small, data, grads, [opts for _, opts in runs])
+    for (label, _), got in zip(runs, results):
+        for what in (name for name in ORDER if name in want):
+            reason = _compare(what, got.get(what), want[what], scale[what], small, platform)
+            if reason:
+                reasons.append(f"probe{label}: {reason}, on {small.describe()}")
+            if f"{what}_vjp" in got:
+                reason = _compare(what, got[f"{what}_vjp"], want[what], scale[what], small, platform)
+                if reason:
+                    reasons.append(f"probe{label}, forward under jax.vjp: {reason}, on {small.describe()}")
+    return reasons

@@ -85,8 +85,8 @@ def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands, options
     length = call.q_len
     padded = blocks.padded(length)
 
-    def prepare(x: Any) -> Any:
-        if call.group > 1 and x is not q:
+    def prepare(x: Any, kv: bool) -> Any:
+        if kv and call.group > 1:
             x = jnp.repeat(x, call.group, axis=2)
         return jnp.pad(x, ((0, 0), (0, padded - length), (0, 0), (0, 0)))
 
@@ -95,5 +95,7 @@ def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands, options
         # Real rows and keys share id 0; padded keys hold 1, seen only by padded rows.
         ids = jnp.broadcast_to((jnp.arange(padded) >= length).astype(jnp.int32),
                                (call.batch, padded))
-    out = _kernel(call, blocks, interpret)(prepare(q), prepare(k), prepare(v), ids)
+    out = _kernel(call, blocks, interpret)(
+        prepare(q, kv=False), prepare(k, kv=True), prepare(v, kv=True), ids
+    )
     return out[:, :length]

@@ -94,11 +94,9 @@ class DecodePlan:
 
 def widen(x: Array) -> Array:
     """float32 copy of a narrow tile, elementwise, so XLA fuses it into the
-    tile's consumer. bfloat16 is the top half of a float32: a shift of its
-    bits, which vectorises where a bf16 -> f32 convert does not on cpu."""
-    if x.dtype == jnp.bfloat16:
-        bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
-        return lax.bitcast_convert_type(bits, jnp.float32)
+    tile's consumer: no widened copy of the cache is made. (Widening
+    bfloat16 by shifting its bits, which vectorises in isolation, ran 4x
+    slower inside the fused product on cpu than a plain convert.)"""
     return x.astype(jnp.float32)
 
 

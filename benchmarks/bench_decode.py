@@ -66,6 +66,45 @@ def xla_native_run(q: Any, k: Any, v: Any, lengths: Any) -> Callable[[], Any]:
     return lambda: jax.block_until_ready(g(q, k, v, lengths))
 
 
+def blockwise_run(q: Any, k: Any, v: Any, lengths: Any) -> Callable[[], Any]:
+    """xla_native's blockwise kernel, which served these calls before the
+    decode path (for ``--tq-sweep``: where the plan should switch)."""
+    from attn_backend_xla_native import BlockConfig
+    from attn_backend_xla_native._kernel import _attention
+    from attn_backend_xla_native._plan import Plan, prepare_masks
+
+    def f(q: Any, k: Any, v: Any, lengths: Any) -> Any:
+        call, ops = attn_backends.bind(q, k, v, causal=True, kv_lengths=lengths)
+        blocks = BlockConfig.default_for(call, "cpu")
+        plan, bwd_plan = Plan.of(call, blocks), Plan.of(call, blocks.backward())
+        masks, bwd_masks = prepare_masks(plan, ops), prepare_masks(bwd_plan, ops)
+        return _attention(plan, bwd_plan, q, k, v, None, masks, bwd_masks)[0]
+
+    g = jax.jit(f)
+    return lambda: jax.block_until_ready(g(q, k, v, lengths))
+
+
+def tq_sweep(args: argparse.Namespace) -> None:
+    print("\nDecode path against the blockwise kernel by Tq (B=8, Hq=32, Hkv=8, D=128, "
+          "causal, kv_lengths in [Tk/2, Tk]), medians")
+    print("\n| dtype | Tk | Tq | decode ms | blockwise ms | blockwise / decode |")
+    print("|---|---|---|---|---|---|")
+    for dtype in args.dtypes:
+        for tq in (1, 4, 8, 16):
+            q, k, v, lengths = _case_arrays(8, tq, args.tk[0], 32, 8, 128, dtype)
+            runs = {
+                "ours": xla_native_run(q, k, v, lengths),
+                "blockwise": blockwise_run(q, k, v, lengths),
+            }
+            times = in_rounds(runs, args.reps, args.rounds)
+            med = {n: statistics.median(t) for n, t in times.items()}
+            print(
+                f"| {dtype} | {args.tk[0]} | {tq} | {med['ours'] * 1e3:.1f} "
+                f"| {med['blockwise'] * 1e3:.1f} | {med['blockwise'] / med['ours']:.2f}x |",
+                flush=True,
+            )
+
+
 def dense_run(q: Any, k: Any, v: Any, lengths: Any) -> Callable[[], Any]:
     tq, tk = q.shape[1], k.shape[1]
 
@@ -131,14 +170,22 @@ def cases(args: argparse.Namespace) -> list[tuple[str, int, int, int, int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tk", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 32768])
+    parser.add_argument(
+        "--tk", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 32768]
+    )
     parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-extra", action="store_true", help="skip the Tq=4 and MQA rows")
+    parser.add_argument("--tq-sweep", action="store_true",
+                        help="only time the decode path against the blockwise kernel at "
+                        "Tq = 1, 4, 8, 16 (first --tk)")
     args = parser.parse_args()
     print(f"{os.cpu_count()} cores; load average {os.getloadavg()}; jax {jax.__version__}")
+    if args.tq_sweep:
+        tq_sweep(args)
+        return
     print("\nB=8, Hq=32, D=128, causal, kv_lengths in [Tk/2, Tk]; medians of rounds x reps; "
           "% = share of the jnp.sum bandwidth (t_sum / t)")
     print("\n| dtype | Tk | Tq | Hkv | timed runs | jnp.sum ms (GB/s) | xla_native ms (%) "

@@ -59,12 +59,12 @@ def decode_attention(
     return _attention(plan, q, k, v, bias, operands._replace(mask=mask, bias=None))
 
 
-# The products, as XLA's cpu fusions run them fastest (measured,
-# BENCHMARKS.md "Decode"): with several kv heads, an elementwise product
-# reduced over one axis, with the group and query axes merged into one
-# (G * Tq) axis and no unit axes (either made it about 7x slower); with one
-# kv head (MQA) the G * Tq rows are many and the cache is one contiguous
-# [T, E] matrix per batch row, so a plain matmul reads it best.
+# The products, written as XLA's cpu fusions ran them fastest in one-off
+# timings (BENCHMARKS.md, "Decode"): with several kv heads, an elementwise
+# product reduced over one axis, with the group and query axes merged into
+# one (G * Tq) axis and no unit axes (the unmerged form with a unit axis ran
+# 7x slower); with one kv head (MQA) the G * Tq rows are many and the cache
+# is one contiguous [T, E] matrix per batch row, so a matmul reads it best.
 _BATCH = ((0,), (0,))
 
 

@@ -18,8 +18,10 @@ from jax import lax
 
 Array = Any
 
-# Keys per chunk. Chunks bound the softmax statistics each key is scaled
-# against (split-KV); on cpu larger chunks were no faster (BENCHMARKS.md).
+# Keys per chunk: enough that the per-chunk statistics are a small part of
+# the work. Not tuned by a benchmark script; a one-off timing of the output
+# product at T=2048 on cpu (BENCHMARKS.md, "Decode") found chunks of 64
+# slower than 256 and 512 no faster.
 DECODE_CHUNK = 256
 # The cache prefix a call reads is picked at run time among at most this
 # many static lengths (halving from Tk), from the largest kv_lengths.

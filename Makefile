@@ -70,7 +70,11 @@ dist: install
 # dependencies from PyPI; `--wheel` and `--run` add a wheel and a check script.
 test-wheels: dist
 	PYTHON=$(PYTHON) tests/wheels/run.sh --variant full
-	PYTHON=$(PYTHON) tests/wheels/run.sh --variant xla
+	rm -rf $(DIST)/third-party tests/wheels/broken_backend/build
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST)/third-party ./tests/wheels/broken_backend
+	PYTHON=$(PYTHON) tests/wheels/run.sh --variant xla \
+		--wheel $(DIST)/third-party/attn_backend_broken-1.0-py3-none-any.whl \
+		--run tests/wheels/broken_not_served.py
 
 test-main: install
 	$(PY) -m pytest

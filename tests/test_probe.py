@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _support import Plugin, make_backend, make_dist, qkv
+from _support import Plugin, dense, make_backend, make_dist, qkv
 
 import attn_backends as ab
 from attn_backends import _attention, _certificates, _probe
@@ -302,3 +302,30 @@ def test_unprobeable_and_lower_ranked_backends_are_not_reported_as_probed():
     # "unprobeable" is accepted without a comparison; "reference", ranked below
     # the chosen one, is not probed at all.
     assert {v.backend: v.probed for v in exp.verdicts} == {"unprobeable": False, "reference": None}
+
+
+def _split_forward(primal_factor, vjp_factor):
+    """A backend whose plain forward and whose forward under vjp are different code
+    (a custom_vjp), scaled by the given factors."""
+    def attend(call, q, k, v, ops):
+        @jax.custom_vjp
+        def f(q, k, v):
+            return dense(call, q, k, v, ops) * primal_factor
+
+        def fwd(q, k, v):
+            out, pull = jax.vjp(lambda *a: dense(call, *a, ops), q, k, v)
+            return out * vjp_factor, pull
+
+        f.defvjp(fwd, lambda pull, g: pull(g))
+        return f(q, k, v)
+
+    return make_backend("split", attend=attend)
+
+
+def test_probe_checks_the_inference_program_and_the_training_program_apart():
+    call = ab.bind(*qkv())[0]
+    assert _probe.run_probe(_split_forward(1.0, 1.0), call, "cpu") == []
+    wrong_inference = _probe.run_probe(_split_forward(1.5, 1.0), call, "cpu")
+    assert [r.split(" differs")[0] for r in wrong_inference] == ["probe: out"]
+    wrong_training = _probe.run_probe(_split_forward(1.0, 1.5), call, "cpu")
+    assert [r.split(" differs")[0] for r in wrong_training] == ["probe, forward under jax.vjp: out"]

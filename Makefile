@@ -57,6 +57,7 @@ demo: install
 	$(VENV)/bin/attn-backends list
 	$(VENV)/bin/attn-backends explain --device cpu --q 2,256,8,64 --kv 2,256,2,64 --causal
 	$(PY) examples/demo.py
+	$(PY) examples/transformer/train.py --steps 20
 
 test: test-main test-jax-next test-wheels
 
@@ -89,6 +90,7 @@ test-main: install
 test-jax-next: install-next
 	$(PY_NEXT) -c "import jax; print('jax', jax.__version__, 'on Python 3.12')"
 	$(PY_NEXT) -m pytest plugins/flash_pallas plugins/flash_triton plugins/cudnn
+	$(PY_NEXT) -m pytest tests/test_flax.py
 	mkdir -p $(CERTS)
 	ATTN_BACKENDS_PALLAS_INTERPRET=1 $(CHECK_NEXT) flash_pallas --json $(CERTS)/flash_pallas-jax-next.json
 	ATTN_BACKENDS_TRITON_INTERPRET=1 $(CHECK_NEXT) flash_triton --quick \

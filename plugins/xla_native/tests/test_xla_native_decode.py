@@ -197,3 +197,15 @@ def test_the_plan_sends_few_queries_to_the_decode_path() -> None:
     blockwise = _lowered(DECODE_MAX_Q + 1)
     assert "xla_native_forward" in blockwise
     assert "xla_native_forward_decode" not in blockwise
+
+
+@pytest.mark.parametrize("name", ["gqa_tq1", "gqa_tq4", "mqa_tq4"])
+def test_forward_alone(name: str) -> None:
+    """A program with the forward only (inference): the cases above also
+    hold the backward, which changes what XLA fuses."""
+    q, k, v = _inputs(SHAPES[name], "float32")
+    call, ops = attn_backends.bind(q, k, v, causal=True, kv_lengths=LENGTHS)
+    out, lse = jax.jit(lambda q, k, v: decode_attention(call, q, k, v, ops, CHUNK))(q, k, v)
+    want_out, want_lse = attention(q, k, v, causal=True, kv_lengths=LENGTHS)
+    assert _err(out, want_out) <= TOLERANCE["float32"][0]
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(want_lse))

@@ -127,8 +127,10 @@ _BF16 = {
     # 8 significant bits: rounding the output alone is 2**-9 relative, and
     # kernels round P to bfloat16 before P@V. atol loosened from PyTorch's
     # 1e-3: per element, outputs near 0 carry the rounding of every P·V term
-    # (xla_native's accelerator branch measured 1.01x of 1e-3 at 37 x 45).
-    "out": Tolerance(4e-3, 1.6e-2, "PyTorch bfloat16 rtol 1.6e-2; atol 1e-3 x4, measured"),
+    # (xla_native's accelerator branch measured 1.01x of 1e-3 at 37 x 45), and
+    # jax.nn.dot_product_attention rounds the logits to bfloat16 too
+    # (example_dense measured 1.03x of atol 4e-3 on a 0.27 output).
+    "out": Tolerance(1e-2, 1.6e-2, "PyTorch bfloat16 rtol 1.6e-2; atol 1e-3 x10, measured"),
     # Loosened from splash's 1e-3: kernels form bfloat16 q*scale before q@k,
     # a 2**-9 relative error in every logit.
     "lse": Tolerance(1e-3, 1e-2, "splash lse 1e-3, loosened: logits from bf16 q*scale"),

@@ -26,11 +26,26 @@ Array = Any
 # kernel's matmuls take over as Tq grows.
 DECODE_MAX_Q = 8
 
+# jaxlib before 0.12 miscompiles the decode path's fused products on cpu:
+# forward errors of 0.3 to 1.6 on values of order 1 (Tq=6, Hq=8, Hkv=2,
+# Tk=16; Tq=1, Tk=300), right op by op (jax.disable_jit) and right on jaxlib
+# 0.12.0.1 for the same calls. There the blockwise kernel serves instead.
+DECODE_MIN_JAXLIB = (0, 12)
+
+
+def _jaxlib_at_least(version: tuple[int, int]) -> bool:
+    import jaxlib
+
+    found = tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
+    return found >= version
+
 
 def decode_suits(call: AttentionCall) -> bool:
     """Whether ``call`` goes to the decode path rather than the blockwise
-    kernel: at most ``DECODE_MAX_Q`` query positions and a non-empty cache."""
-    return 1 <= call.q_len <= DECODE_MAX_Q and call.kv_len >= 1 and call.batch >= 1
+    kernel: at most ``DECODE_MAX_Q`` query positions, a non-empty cache and a
+    jaxlib that compiles the path right (``DECODE_MIN_JAXLIB``)."""
+    shape_fits = 1 <= call.q_len <= DECODE_MAX_Q and call.kv_len >= 1 and call.batch >= 1
+    return shape_fits and _jaxlib_at_least(DECODE_MIN_JAXLIB)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ PYTHON_NEXT ?= env PYENV_VERSION=3.12.1 python3.12
 JAX_NEXT ?= jax>=0.12,<0.13
 VENV_NEXT := .venv-jax-next
 PY_NEXT := $(VENV_NEXT)/bin/python
-PACKAGES_NEXT := core plugins/reference plugins/flash_pallas plugins/flash_triton plugins/cudnn \
-	contracts
+PACKAGES_NEXT := core plugins/reference plugins/xla_native plugins/flash_pallas plugins/flash_triton \
+	plugins/cudnn contracts
 STAMP_NEXT := $(VENV_NEXT)/.installed
 
 # Conformance certificates written by `make test`, and a repo-local cache so
@@ -91,6 +91,9 @@ test-jax-next: install-next
 	$(PY_NEXT) -c "import jax; print('jax', jax.__version__, 'on Python 3.12')"
 	$(PY_NEXT) -m pytest plugins/flash_pallas plugins/flash_triton plugins/cudnn
 	$(PY_NEXT) -m pytest tests/test_flax.py
+	# xla_native's decode path runs only on jaxlib >= 0.12 (its _plan.py says why).
+	$(PY_NEXT) -m pytest plugins/xla_native/tests/test_xla_native_decode.py \
+		plugins/xla_native/tests/test_xla_native_forward_only.py
 	mkdir -p $(CERTS)
 	ATTN_BACKENDS_PALLAS_INTERPRET=1 $(CHECK_NEXT) flash_pallas --json $(CERTS)/flash_pallas-jax-next.json
 	ATTN_BACKENDS_TRITON_INTERPRET=1 $(CHECK_NEXT) flash_triton --quick \

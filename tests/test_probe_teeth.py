@@ -1,0 +1,54 @@
+"""The runtime probe has teeth for tiled kernels: it quarantines every xla_native mutant.
+
+The same one-line source edits as the conformance suite's teeth
+(``test_conformance_teeth_mutants``), applied in a fresh process; there the
+probe runs on one ordinary call (128 tokens, GQA, causal, softcap, float32).
+Its canonical call is 77 tokens, which the kernel's default blocks hold in
+one tile; the run under ``tile_small_options`` crosses several, which is
+where the rescale and accumulator bugs live.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_conformance_teeth_mutants import _LAUNCHER, _ORDER, MUTANTS
+
+_CLI_TAIL = "from attn_backends._cli import main\nsys.exit(main(sys.argv[1:]))\n"
+_PROBE_TAIL = """
+import jax, jax.numpy as jnp
+import attn_backends as ab
+from attn_backends._probe_run import run_probe
+backend = ab.Registry(probe=None, only=["xla_native"]).backend("xla_native")
+S, f32 = jax.ShapeDtypeStruct, jnp.float32
+call = ab.bind(S((2, 128, 4, 32), f32), S((2, 128, 2, 32), f32), S((2, 128, 2, 32), f32),
+               causal=True, softcap=30.0)[0]
+print("REASONS " + json.dumps(run_probe(backend, call, "cpu")))
+"""
+assert _LAUNCHER.endswith(_CLI_TAIL)
+_PROBE = _LAUNCHER[: -len(_CLI_TAIL)] + _PROBE_TAIL
+
+
+def _probe(edits: list) -> list[str]:
+    env = dict(os.environ, ATTN_TEETH_EDITS=json.dumps(edits), ATTN_TEETH_ORDER=json.dumps(_ORDER))
+    proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                          timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "MUTANT-STALE" not in log, log[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("REASONS "))
+    return json.loads(line[len("REASONS "):])
+
+
+def test_the_unmutated_kernel_passes_the_probe():
+    assert _probe([]) == []
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_the_probe_quarantines_each_mutant(name):
+    reasons = _probe(MUTANTS[name][0])
+    assert reasons, f"the probe passed the {name} mutant"
+    assert all(r.startswith("probe") and "differs from the float64 oracle" in r for r in reasons)

@@ -21,6 +21,8 @@ import numpy as np
 from attn_backends import oracle, tolerances
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: Lengths up to this are a shape class of their own in a probe verdict.
+SHORT = 16
 #: Keyword arguments that are Python values, not arrays (static under jit).
 STATIC = ("causal", "window", "softcap", "return_lse")
 
@@ -50,45 +52,101 @@ def _length(rng: np.random.Generator) -> int:
                           p=[0.2, 0.1, 0.3, 0.4]))
 
 
-def _broadcast(rng: np.random.Generator, b: int, hq: int, tq: int, tk: int) -> tuple[int, ...]:
-    return (int(rng.choice([1, b])), int(rng.choice([1, hq])), tq, tk)
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """What one probe verdict is about: everything of a call but its values and
+    the exact lengths of long sequences (over 16 tokens)."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    features: frozenset[str]
+    window: tuple[int | None, int | None] | None
+    softcap: float | None
+    mask_shape: tuple[bool, bool]  # (batch broadcast, head broadcast)
+    bias_shape: tuple[bool, bool]
 
 
-def draw(rng: np.random.Generator, grad_share: float = 0.3,
-         heads: tuple[int, int] | None = None) -> RandomCall:
-    """A random call using each feature of the contract about a third of the time.
+def signature(rng: np.random.Generator, heads: tuple[int, int] | None = None) -> Signature:
+    """A random signature using each feature of the contract about a third of the time.
 
     ``heads``: (Hq, Hkv) to use instead of random ones.
     """
-    b, tq, tk = int(rng.integers(1, 3)), _length(rng), _length(rng)
     hkv = int(rng.choice([1, 2]))
     hq = hkv * int(rng.choice([1, 2, 4]))
     if heads is not None:
         hq, hkv = heads
-    d = int(rng.choice([8, 16]))
-    dtype = str(rng.choice(DTYPES))
-    on = lambda: bool(rng.random() < 0.35)  # noqa: E731
-    kw: dict[str, Any] = {"causal": on(), "return_lse": on()}
-    if on():
-        kw["window"] = tuple(None if rng.random() < 0.3 else int(rng.integers(0, 12)) for _ in range(2))
-        if kw["window"] == (None, None):
-            kw["window"] = (3, None)
-    if on():
+    names = ("causal", "return_lse", "window", "segment_ids", "q_lengths", "kv_lengths", "mask",
+             "bias", "softcap")
+    features = frozenset(n for n in names if rng.random() < 0.35)
+    window = tuple(None if rng.random() < 0.3 else int(rng.integers(0, 12)) for _ in range(2))
+    return Signature(
+        batch=int(rng.integers(1, 3)), q_len=_length(rng), kv_len=_length(rng), q_heads=hq,
+        kv_heads=hkv, head_dim=int(rng.choice([8, 16])), dtype=str(rng.choice(DTYPES)),
+        features=features,
+        window=(window if window != (None, None) else (3, None)) if "window" in features else None,
+        softcap=float(rng.choice([5.0, 30.0])) if "softcap" in features else None,
+        mask_shape=(bool(rng.random() < 0.5), bool(rng.random() < 0.5)),
+        bias_shape=(bool(rng.random() < 0.5), bool(rng.random() < 0.5)),
+    )
+
+
+def _long_lengths(rng: np.random.Generator, sig: Signature) -> tuple[int, int]:
+    """New lengths for ``sig``: short ones kept, long ones re-drawn in 17..90
+    keeping whether Tq <, ==, > Tk (the probe's length classes)."""
+    tq, tk = sig.q_len, sig.kv_len
+    if tq > SHORT and tk > SHORT:
+        a, b = sorted(int(x) for x in rng.choice(np.arange(SHORT + 1, 91), 2, replace=False))
+        return (a, a) if tq == tk else (a, b) if tq < tk else (b, a)
+    pick = lambda t: t if t <= SHORT else int(rng.integers(SHORT + 1, 91))  # noqa: E731
+    return pick(tq), pick(tk)
+
+
+def draw(rng: np.random.Generator, grad_share: float = 0.3, heads: tuple[int, int] | None = None,
+         sig: Signature | None = None, lengths: tuple[int, int] | None = None) -> RandomCall:
+    """A random call of signature ``sig`` (a new random one when None), every
+    value drawn anew, and its long lengths too unless ``lengths`` gives them."""
+    sig = signature(rng, heads) if sig is None else sig
+    b, hq, hkv, d, on = sig.batch, sig.q_heads, sig.kv_heads, sig.head_dim, sig.features
+    tq, tk = _long_lengths(rng, sig) if lengths is None else lengths
+    kw: dict[str, Any] = {"causal": "causal" in on, "return_lse": "return_lse" in on}
+    if sig.window is not None:
+        kw["window"] = sig.window
+    if "segment_ids" in on:
         kw["segment_ids"] = (np.sort(rng.integers(0, 3, (b, tq))).astype(np.int32),
                              np.sort(rng.integers(0, 3, (b, tk))).astype(np.int32))
-    if on():
+    if "q_lengths" in on:
         kw["q_lengths"] = rng.integers(0, tq + 1, (b,)).astype(np.int32)
-    if on():
+    if "kv_lengths" in on:
         kw["kv_lengths"] = rng.choice([0, 1, int(rng.integers(0, tk + 1)), tk], size=b).astype(np.int32)
-    if on():
-        kw["mask"] = rng.random(_broadcast(rng, b, hq, tq, tk)) < 0.7
-    if on():
-        kw["bias"] = rng.normal(size=_broadcast(rng, b, hq, tq, tk)).astype(np.float32)
-    if on():
-        kw["softcap"] = float(rng.choice([5.0, 30.0]))
+    broadcast = lambda ones: (1 if ones[0] else b, 1 if ones[1] else hq, tq, tk)  # noqa: E731
+    if "mask" in on:
+        kw["mask"] = rng.random(broadcast(sig.mask_shape)) < 0.7
+    if "bias" in on:
+        kw["bias"] = rng.normal(size=broadcast(sig.bias_shape)).astype(np.float32)
+    if sig.softcap is not None:
+        kw["softcap"] = sig.softcap
     normal = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
-    return RandomCall(dtype, normal(b, tq, hq, d), normal(b, tk, hkv, d), normal(b, tk, hkv, d),
+    return RandomCall(sig.dtype, normal(b, tq, hq, d), normal(b, tk, hkv, d), normal(b, tk, hkv, d),
                       kw, bool(rng.random() < grad_share), normal(b, tq, hq, d))
+
+
+def draw_many(rng: np.random.Generator, calls: int, per_signature: int) -> list[RandomCall]:
+    """``calls`` random calls, ``per_signature`` of each random signature, as a
+    model makes them: new values in the same shapes (one compiled program),
+    and the last of each signature at other long lengths (one verdict serves
+    it too)."""
+    out: list[RandomCall] = []
+    while len(out) < calls:
+        sig = signature(rng)
+        same = _long_lengths(rng, sig)
+        count = min(per_signature, calls - len(out))
+        out += [draw(rng, sig=sig, lengths=same if i < count - 1 else None) for i in range(count)]
+    return out
 
 
 def _jax_kwargs(rc: RandomCall) -> dict[str, Any]:
@@ -111,6 +169,31 @@ def _compare(what: str, got: Any, want: Any, scale: Any, dtype: str) -> str | No
     return None if error <= 1.0 else f"{what}: {error:.3g}x its tolerance"
 
 
+#: Jitted programs by (attention, static kwargs, gradient or not): calls of one
+#: signature and shape reuse their compiled program, as a model's steps do.
+_PROGRAMS: dict[tuple[int, tuple, bool], Any] = {}
+
+
+def _program(attention: Any, static: tuple, grad: bool) -> Any:
+    key = (id(attention), static, grad)
+    if key not in _PROGRAMS:
+        kwargs = dict(static)
+
+        def forward(q: Any, k: Any, v: Any, arrays: dict[str, Any]) -> Any:
+            return attention(q, k, v, **arrays, **kwargs)
+
+        def training(q: Any, k: Any, v: Any, arrays: dict[str, Any], ct: Any) -> Any:
+            def out_only(q: Any, k: Any, v: Any) -> Any:
+                result = forward(q, k, v, arrays)
+                return result[0] if kwargs.get("return_lse") else result
+
+            out, vjp = jax.vjp(out_only, q, k, v)
+            return out, vjp(ct)
+
+        _PROGRAMS[key] = jax.jit(training if grad else forward)
+    return _PROGRAMS[key]
+
+
 def run_one(attention: Any, rc: RandomCall) -> list[str]:
     """Run ``rc`` through ``attention`` and compare with the oracle; returns what differs."""
     q, k, v = (jnp.asarray(x, rc.dtype) for x in (rc.q, rc.k, rc.v))
@@ -124,24 +207,17 @@ def run_one(attention: Any, rc: RandomCall) -> list[str]:
         want_out, want_lse = oracle.attention(qf, kf, vf, **okw)
         scale = oracle.magnitudes(qf, kf, vf, d_out, **okw)
     problems = []
+    static = tuple(sorted((n, x) for n, x in kw.items() if n in STATIC))
+    arrays = {n: x for n, x in kw.items() if n not in STATIC}
+    program = _program(attention, static, rc.grad)
     if rc.grad:
-        def f(q: Any, k: Any, v: Any) -> Any:
-            result = attention(q, k, v, **kw)
-            return result[0] if rc.kwargs.get("return_lse") else result
-
-        def out_and_grads(q: Any, k: Any, v: Any, ct: Any) -> Any:
-            out, vjp = jax.vjp(f, q, k, v)
-            return out, vjp(ct)
-
-        out, grads = jax.jit(out_and_grads)(q, k, v, jnp.asarray(d_out, rc.dtype))
+        out, grads = program(q, k, v, arrays, jnp.asarray(d_out, rc.dtype))
         with np.errstate(invalid="ignore", divide="ignore"):
             want = oracle.attention_vjp(qf, kf, vf, d_out, **okw)
         for name, g in zip(("q", "k", "v"), grads):
             problems.append(_compare(f"d{name}", g, want[name], scale[f"d{name}"], rc.dtype))
     else:
-        static = {n: x for n, x in kw.items() if n in STATIC}
-        arrays = {n: x for n, x in kw.items() if n not in STATIC}
-        result = jax.jit(lambda q, k, v, arrays: attention(q, k, v, **arrays, **static))(q, k, v, arrays)
+        result = program(q, k, v, arrays)
         out = result[0] if rc.kwargs.get("return_lse") else result
         if rc.kwargs.get("return_lse"):
             problems.append(_compare("lse", result[1], want_lse, scale["lse"], rc.dtype))
@@ -156,13 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--per-signature", type=int, default=1,
+                        help="calls per random signature (a verdict serves them all)")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     attention = ab.registry.get(device="cpu", fallback="silent")
     wrong = 0
     start = time.perf_counter()
-    for i in range(args.calls):
-        rc = draw(rng)
+    for i, rc in enumerate(draw_many(rng, args.calls, args.per_signature)):
         problems = run_one(attention, rc)
         if problems:
             wrong += 1

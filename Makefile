@@ -96,7 +96,7 @@ test-jax-next: install-next
 		plugins/xla_native/tests/test_xla_native_forward_only.py
 	mkdir -p $(CERTS)
 	ATTN_BACKENDS_PALLAS_INTERPRET=1 $(CHECK_NEXT) flash_pallas --json $(CERTS)/flash_pallas-jax-next.json
-	ATTN_BACKENDS_TRITON_INTERPRET=1 $(CHECK_NEXT) flash_triton --quick \
+	ATTN_BACKENDS_TRITON_INTERPRET=1 $(CHECK_NEXT) flash_triton \
 		--json $(CERTS)/flash_triton-jax-next.json
 
 # On a GPU machine (never in CI): installs JAX's CUDA plugin for the installed

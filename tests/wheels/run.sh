@@ -29,7 +29,7 @@ python="${PYTHON:-python3}"
 variant=full
 # Extras of attn-backends the full install adds (comma-separated): a
 # tests/wheels/check_*.py that needs a PyPI package (flax: "flax") names it here.
-full_extras=""
+full_extras="flax"
 extra_wheels=()
 scripts=()
 while [ $# -gt 0 ]; do

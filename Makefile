@@ -78,7 +78,7 @@ test-wheels: dist
 		--run tests/wheels/broken_not_served.py
 
 test-main: install
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 	$(PY) -m pytest tests/multidevice
 	mkdir -p $(CERTS)
 	$(CHECK) reference --json $(CERTS)/reference.json
@@ -90,7 +90,7 @@ test-main: install
 test-jax-next: install-next
 	$(PY_NEXT) -c "import jax; print('jax', jax.__version__, 'on Python 3.12')"
 	$(PY_NEXT) -m pytest plugins/flash_pallas plugins/flash_triton plugins/cudnn
-	$(PY_NEXT) -m pytest tests/test_flax.py
+	$(PY_NEXT) -m pytest tests/test_flax.py tests/test_flax_nnx.py
 	# xla_native's decode path runs only on jaxlib >= 0.12 (its _plan.py says why).
 	$(PY_NEXT) -m pytest plugins/xla_native/tests/test_xla_native_decode.py \
 		plugins/xla_native/tests/test_xla_native_forward_only.py

@@ -17,7 +17,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import attn_backends
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +39,6 @@ class Dense(Backend):
     name = "teeth_dense"
     version = "0"
     capabilities = _FULL
-    refuse_unclaimed = True
 
     def scale(self, call: AttentionCall) -> float:
         return call.scale
@@ -90,9 +88,6 @@ class Dense(Backend):
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands,
                options: Any = None) -> Any:
-        missing = call.features - self.capabilities.features
-        if missing and self.refuse_unclaimed:
-            raise attn_backends.UnsupportedError(f"{self.name}: no {sorted(missing)}")
         hi = jax.lax.Precision.HIGHEST
         kh, vh = k[:, :, self.kv_head(call)], v[:, :, self.kv_head(call)]
         s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kh.astype(jnp.float32),
@@ -191,14 +186,6 @@ class WindowIgnored(Dense):
         return super().visible(replace(call, window=None), ops)
 
 
-class ComputesUnclaimed(Dense):
-    """Claims no mask or bias, but computes them when called directly."""
-
-    name = "teeth_computes_unclaimed"
-    capabilities = replace(_FULL, mask=False, bias=False, bias_grad=False)
-    refuse_unclaimed = False
-
-
 class TraceDependent(Dense):
     """Claims determinism, but each trace bakes in a different constant."""
 
@@ -231,7 +218,6 @@ BROKEN = {
     BlockTail: ({"test_forward:shapes-q17k17-float32"},
                 {"test_forward:shapes-q16k32b2-float32"}),
     WindowIgnored: ({"window", "mask_effect"}, {"shapes", "causal"}),
-    ComputesUnclaimed: ({"unclaimed"}, {"shapes", "causal"}),
     TraceDependent: ({"determinism"}, {"shapes"}),
     MarkerMissing: ({"hlo"}, {"shapes", "transforms"}),
 }

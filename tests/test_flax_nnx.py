@@ -2,9 +2,10 @@
 
 Forward, gradients w.r.t. parameters and inputs, KV-cache decoding step by
 step, GQA (``num_kv_heads``), ``is_causal`` both ways round, float masks and
-the dropout refusal. Runs on the jax 0.10 line only: flax 0.12.8's nnx does
-not import on jax 0.12 (it subclasses ``jax.experimental.hijax.HiPrimitive``,
-renamed ``HiPrim`` there); test_flax.py covers linen and the function on both.
+the dropout refusal. Runs on both jax lines (``make test`` runs it in each):
+flax 0.12.8 on jax 0.10, flax 0.12.12 on jax 0.12 (0.12.8's nnx does not
+import on jax 0.12: it subclasses ``jax.experimental.hijax.HiPrimitive``,
+renamed ``HiPrim`` there).
 """
 
 from __future__ import annotations

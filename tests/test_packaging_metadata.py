@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 def _projects() -> list[tuple[Path, dict[str, Any]]]:
     out = subprocess.run(["git", "ls-files", "*pyproject.toml"], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout.split()
-    found = [(REPO / p, tomllib.loads((REPO / p).read_text())) for p in out]
+    # tests/ holds fixture distributions that are never published.
+    found = [(REPO / p, tomllib.loads((REPO / p).read_text())) for p in out
+             if not p.startswith("tests/")]
     return [(path, data["project"]) for path, data in found if "project" in data]
 
 

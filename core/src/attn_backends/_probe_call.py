@@ -12,7 +12,9 @@ The mapping keeps each shape class that can change a kernel's answer:
 - window sides up to ``WINDOW_CAP`` exactly, longer ones as ``WINDOW_CAP``
   (a window that still cuts the probe's rows);
 - dtype, head dims, scale, softcap, bias dtype, the mask and bias broadcast
-  pattern, every flag; batch at most 2.
+  pattern, every flag; batch at most 2, and exactly 2 when the call has
+  lengths (one row one short of full, so the diagonal and window still cut
+  it and an off-by-one length shows; the other from the upper half).
 
 The backend's options (block sizes) are part of the verdict key too
 (:mod:`._probe`).
@@ -63,7 +65,8 @@ def canonical(call: AttentionCall, scale_up: int = 1) -> AttentionCall:
     if scale_up > 1:
         tq = tq * scale_up if call.q_len > SHORT else tq
         tk = tk * scale_up if call.kv_len > SHORT else tk
-    batch = min(call.batch, 2)
+    # Two rows when lengths are given: :func:`inputs` needs one of each kind.
+    batch = 2 if call.q_lengths or call.kv_lengths else min(call.batch, 2)
     kv_heads = min(call.kv_heads, 2)
     q_heads = call.group * kv_heads
 
@@ -92,6 +95,19 @@ def _segments(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
     return ids
 
 
+def _lengths_of_rows(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+    """Row 0 one short of ``length``, the others from its upper half.
+
+    Row 0 keeps the causal diagonal and the window inside the visible keys
+    (a length drawn from the upper half of a long Tk often lies left of a
+    short Tq's diagonal, hiding a causal bug) and shows an off-by-one length
+    even when ``length`` is 1 (then it is 0: a row that sees nothing).
+    """
+    rows = rng.integers((length + 1) // 2, length + 1, (batch,))
+    rows[0] = length - 1
+    return rows.astype(np.int32)
+
+
 def inputs(call: AttentionCall, seed: int = 0) -> dict[str, Any]:
     """Random NumPy inputs for ``call``: ``q, k, v, d_out, d_lse`` and the operands.
 
@@ -99,7 +115,7 @@ def inputs(call: AttentionCall, seed: int = 0) -> dict[str, Any]:
     like the output, d_lse ``[B, Hq, Tq]`` (None unless the call returns
     lse). Floating arrays are already rounded to the call's dtype, so the
     float64 oracle sees exactly what the backend sees. Rows see several keys
-    wherever the call's shape allows: lengths are drawn from the upper half,
+    wherever the call's shape allows: lengths are long (:func:`_lengths_of_rows`),
     segments are long, masks keep most keys.
     """
     import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy (a jax dependency)
@@ -121,9 +137,9 @@ def inputs(call: AttentionCall, seed: int = 0) -> dict[str, Any]:
     if call.segment_ids:
         ops["segment_ids"] = (_segments(rng, b, tq), _segments(rng, b, tk))
     if call.q_lengths:
-        ops["q_lengths"] = rng.integers((tq + 1) // 2, tq + 1, (b,)).astype(np.int32)
+        ops["q_lengths"] = _lengths_of_rows(rng, b, tq)
     if call.kv_lengths:
-        ops["kv_lengths"] = rng.integers((tk + 1) // 2, tk + 1, (b,)).astype(np.int32)
+        ops["kv_lengths"] = _lengths_of_rows(rng, b, tk)
     if call.mask_shape is not None:
         ops["mask"] = rng.random(call.mask_shape) < 0.8
     if call.bias_shape is not None:

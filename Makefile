@@ -1,8 +1,8 @@
 # The two commands of the README: `make demo` and `make test`.
 # Both create .venv and install every distribution of the repo in editable mode.
 # `make test` also builds a second environment (Python 3.12, the newest jax
-# there) and runs the flash_pallas, flash_triton and cudnn tests in it: the
-# Pallas adapters are checked on both jax lines they claim.
+# there), runs the Pallas adapters', the flax adapter's and xla_native's decode
+# tests in it, and certifies every CPU-servable backend on both jax lines.
 # `make test-gpu` (on a GPU machine only) certifies the gpu backends there.
 
 PYTHON ?= python3
@@ -19,13 +19,21 @@ JAX_NEXT ?= jax>=0.12,<0.13
 VENV_NEXT := .venv-jax-next
 PY_NEXT := $(VENV_NEXT)/bin/python
 PACKAGES_NEXT := core plugins/reference plugins/xla_native plugins/flash_pallas plugins/flash_triton \
-	plugins/cudnn contracts
+	plugins/cudnn contracts examples/dense_jax_backend
 STAMP_NEXT := $(VENV_NEXT)/.installed
 
 # Conformance certificates written by `make test`, and a repo-local cache so
 # test runs never read or write the user's ~/.cache.
 CERTS := .certificates
-test-main test-jax-next test-gpu: export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
+# One certification per backend and jax line; the Pallas ones run in interpret mode.
+BACKENDS := reference xla_native example_dense flash_pallas flash_triton
+CERTIFY_MAIN := $(addprefix certify-main-,$(BACKENDS))
+CERTIFY_NEXT := $(addprefix certify-next-,$(BACKENDS))
+INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1
+INTERPRET_flash_triton := ATTN_BACKENDS_TRITON_INTERPRET=1
+test-main test-jax-next test-gpu multidevice $(CERTIFY_MAIN) $(CERTIFY_NEXT): \
+	export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
+
 CHECK = $(VENV)/bin/attn-backends check
 CHECK_NEXT = $(VENV_NEXT)/bin/attn-backends check
 
@@ -70,34 +78,50 @@ dist: install
 # tests/wheels/run.sh: a fresh venv per variant, wheels from dist/, third-party
 # dependencies from PyPI; `--wheel` and `--run` add a wheel and a check script.
 test-wheels: dist
-	PYTHON=$(PYTHON) tests/wheels/run.sh --variant full
 	rm -rf $(DIST)/third-party tests/wheels/broken_backend/build
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST)/third-party ./tests/wheels/broken_backend
+	$(MAKE_2) wheels-full wheels-xla
+
+wheels-full:
+	PYTHON=$(PYTHON) tests/wheels/run.sh --variant full
+
+wheels-xla:
 	PYTHON=$(PYTHON) tests/wheels/run.sh --variant xla \
 		--wheel $(DIST)/third-party/attn_backend_broken-1.0-py3-none-any.whl \
 		--run tests/wheels/broken_not_served.py
 
-test-main: install
-	$(PY) -m pytest --durations=25
-	$(PY) -m pytest tests/multidevice
-	mkdir -p $(CERTS)
-	$(CHECK) reference --json $(CERTS)/reference.json
-	$(CHECK) xla_native --json $(CERTS)/xla_native.json
-	$(CHECK) example_dense --json $(CERTS)/example_dense.json
-	ATTN_BACKENDS_PALLAS_INTERPRET=1 $(CHECK) flash_pallas --json $(CERTS)/flash_pallas.json
-	ATTN_BACKENDS_TRITON_INTERPRET=1 $(CHECK) flash_triton --json $(CERTS)/flash_triton.json
+# CI runs on two cores: each stage runs two jobs at a time (pytest-xdist
+# workers, one test file per worker; `make -j2` over the certifications and
+# the wheel installs). --output-sync keeps each job's output in one piece.
+PYTEST_2 := -n 2 --dist loadfile
+MAKE_2 := $(MAKE) -j2 --output-sync=target
 
+.PHONY: multidevice wheels-full wheels-xla $(CERTIFY_MAIN) $(CERTIFY_NEXT)
+
+test-main: install
+	$(PY) -m pytest $(PYTEST_2) --durations=25
+	$(MAKE_2) multidevice $(CERTIFY_MAIN)
+
+multidevice: install
+	$(PY) -m pytest tests/multidevice
+
+$(CERTIFY_MAIN): certify-main-%: install
+	mkdir -p $(CERTS)
+	$(INTERPRET_$*) $(CHECK) $* --json $(CERTS)/$*.json
+
+# On jaxlib >= 0.12 every call with Tq <= 8 takes xla_native's decode path, so
+# its decode tests and its certification on this line reach that path.
 test-jax-next: install-next
 	$(PY_NEXT) -c "import jax; print('jax', jax.__version__, 'on Python 3.12')"
-	$(PY_NEXT) -m pytest plugins/flash_pallas plugins/flash_triton plugins/cudnn
-	$(PY_NEXT) -m pytest tests/test_flax.py tests/test_flax_nnx.py
-	# xla_native's decode path runs only on jaxlib >= 0.12 (its _plan.py says why).
-	$(PY_NEXT) -m pytest plugins/xla_native/tests/test_xla_native_decode.py \
+	$(PY_NEXT) -m pytest $(PYTEST_2) plugins/flash_pallas plugins/flash_triton plugins/cudnn \
+		tests/test_flax.py tests/test_flax_nnx.py \
+		plugins/xla_native/tests/test_xla_native_decode.py \
 		plugins/xla_native/tests/test_xla_native_forward_only.py
+	$(MAKE_2) $(CERTIFY_NEXT)
+
+$(CERTIFY_NEXT): certify-next-%: install-next
 	mkdir -p $(CERTS)
-	ATTN_BACKENDS_PALLAS_INTERPRET=1 $(CHECK_NEXT) flash_pallas --json $(CERTS)/flash_pallas-jax-next.json
-	ATTN_BACKENDS_TRITON_INTERPRET=1 $(CHECK_NEXT) flash_triton \
-		--json $(CERTS)/flash_triton-jax-next.json
+	$(INTERPRET_$*) $(CHECK_NEXT) $* --json $(CERTS)/$*-jax-next.json
 
 # On a GPU machine (never in CI): installs JAX's CUDA plugin for the installed
 # jax, runs the gpu-only tests, certifies every gpu backend on the local GPU and

@@ -18,8 +18,12 @@ from _support import Plugin, make_backend
 import attn_backends as ab
 from attn_backends import _probe
 
-#: Random calls per mutant, each of a new signature (so each is probed).
-CALLS = 8
+#: Among the longest files of the suite: make test starts them first (conftest.py).
+pytestmark = pytest.mark.slow
+
+#: Random calls per mutant, each of a new signature with the bug's trigger (its
+#: forced keyword): each is probed, the mutant refused, the next backend served.
+CALLS = 4
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,3 @@ def isolated_cache(tmp_path, monkeypatch):
     """Probe verdicts and certificates go to a per-test folder, never ~/.cache."""
     monkeypatch.setenv("ATTN_BACKENDS_CACHE_DIR", str(tmp_path / "attn-cache"))
     return tmp_path / "attn-cache"
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run ``slow`` tests first: under ``make test``'s two xdist workers (a file
-    each) the longest files then start at once instead of finishing last."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -22,9 +22,6 @@ import random_calls
 import attn_backends as ab
 from attn_backends import _probe
 
-#: Among the longest files of the suite: make test starts them first (conftest.py).
-pytestmark = pytest.mark.slow
-
 #: Calls per process; two processes share the cache: 300 calls in all.
 CALLS = 150
 #: Calls per random signature: one verdict serves them (the last at other lengths).

@@ -18,9 +18,6 @@ from _support import Plugin, make_backend
 import attn_backends as ab
 from attn_backends import _probe
 
-#: Among the longest files of the suite: make test starts them first (conftest.py).
-pytestmark = pytest.mark.slow
-
 #: Random calls per mutant, each of a new signature with the bug's trigger (its
 #: forced keyword): each is probed, the mutant refused, the next backend served.
 CALLS = 4

@@ -23,13 +23,13 @@ from attn_backends_contracts._session import Suite, local_platform
 from attn_backends_contracts.tolerances import GRADIENT_FINITE_ONLY_INPUTS
 
 
-def margins(names: list[str], dtype: str,
-            limit: int | None = None) -> dict[str, dict[str, tuple[float, str]]]:
+def margins(names: list[str], dtype: str, limit: int | None = None,
+            families: set[str] | None = None) -> dict[str, dict[str, tuple[float, str]]]:
     """``{family: {output: (worst normalised error, backend)}}`` over ``names``.
 
     ``limit``: run only the first cases of each family (and of its tiles
     twins). A subset can only under-state the worst error, so the ratios it
-    prints are upper bounds of the full table's.
+    prints are upper bounds of the full table's. ``families``: only these.
     """
     import attn_backends
 
@@ -39,7 +39,9 @@ def margins(names: list[str], dtype: str,
         suite = Suite(backend, source="installed", platform=local_platform(), quick=False)
         taken: dict[tuple[str, bool], int] = defaultdict(int)
         for case in suite.cases:
-            if case.dtype != dtype or suite.declined(case):
+            if case.dtype != dtype or (families and case.family not in families):
+                continue
+            if suite.declined(case):
                 continue
             taken[case.family, case.tiles] += 1
             if limit is not None and taken[case.family, case.tiles] > limit:
@@ -61,9 +63,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--limit", type=int, default=None,
                         help="only the first N cases of each family (and of its tiles twins)")
+    parser.add_argument("--family", action="append", help="only this case family (repeatable)")
     parser.add_argument("--json", help="also write the table as JSON here")
     args = parser.parse_args()
-    worst = margins(args.backends, args.dtype, args.limit)
+    worst = margins(args.backends, args.dtype, args.limit, set(args.family or ()))
     outputs = ("out", "lse", "dq", "dk", "dv", "dbias")
     print(f"worst error / tolerance ({args.dtype}, {local_platform()}, {args.backends}); "
           "in brackets: tolerance / worst error")

@@ -279,3 +279,28 @@ def test_installed_example_backend_passes(tmp_path: Path) -> None:
     assert cert["passed"] and cert["backend"] == "example_dense"
     stored = list((tmp_path / "cache" / "certificates").glob("example_dense-*.json"))
     assert len(stored) == 1, "run_check stores the certificate of an installed backend"
+
+
+class RaisesOnOneShape(Dense):
+    """Right everywhere but one query length, where tracing raises."""
+
+    name = "teeth_raises_on_one_shape"
+
+    def attend(self, call, q, k, v, ops, options=None):
+        if call.q_len == 37:
+            raise RuntimeError("teeth: no kernel for Tq=37")
+        return super().attend(call, q, k, v, ops, options)
+
+
+def test_a_case_that_raises_inside_a_batch_fails_alone(tmp_path: Path) -> None:
+    """The suite compiles its cases in batches; an error in one fails that case
+    only, with its own message, and its batch-mates still pass."""
+    path = tmp_path / "certificate.json"
+    code = run_check(RaisesOnOneShape(), str(path), ["-q", "-p", "no:cacheprovider",
+                                                     "--attn-only=shapes"])
+    cert = json.loads(path.read_text())
+    assert code != 0
+    assert {(f["test"], f["case"]) for f in cert["failures"]} == {
+        ("test_forward", "shapes-q37k1-float32"), ("test_gradients", "shapes-q37k1-float32")}
+    assert all("no kernel for Tq=37" in f["message"] for f in cert["failures"])
+    assert cert["cases"]["passed"] >= 2 * 7  # the other seven shapes, forward and gradients

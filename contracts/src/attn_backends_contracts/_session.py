@@ -22,6 +22,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 _PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 
 
+#: Numeric cases compiled together as one program (see :func:`._runner.run_cases`).
+BATCH_SIZE = 16
+
 SUITE_KEY = pytest.StashKey["Suite | None"]()
 
 
@@ -133,6 +136,7 @@ class Suite:
         self.certificate: dict[str, Any] | None = None
         self.certificate_path: str | None = None
         self._outcomes: dict[str, Any] = {}
+        self._planned: list[Case] = []
 
     def attention_on(self, platform: str, options: Any = None) -> Any:
         backend_options = None if options is None else {self.backend.name: options}
@@ -175,21 +179,54 @@ class Suite:
         """
         return [str(r) for r in self.backend.check(self._call(case))]
 
+    def plan(self, cases: list[Case]) -> None:
+        """The numeric cases this run will ask :meth:`outcome` for, in order
+        (after ``-k`` and ``--attn-only``): they are compiled in batches."""
+        self._planned = list({c.id: c for c in cases}.values())
+
+    def _batch_for(self, case: Case) -> list[Case]:
+        """``case`` and the next planned cases not yet run nor declined, up to BATCH_SIZE."""
+        batch = [case]
+        start = self._planned.index(case) + 1 if case in self._planned else len(self._planned)
+        for other in self._planned[start:]:
+            if len(batch) == BATCH_SIZE:
+                break
+            if other.id not in self._outcomes and not self.declined(other):
+                batch.append(other)
+        return batch
+
     def outcome(self, case: Case) -> Any:
-        """The :class:`~._runner.Outcome` of ``case``, computed once (errors re-raised)."""
-        from ._runner import run_case
+        """The :class:`~._runner.Outcome` of ``case``, computed once (errors re-raised).
+
+        Computed together with the next planned cases in one program; when
+        that batch raises, each of its cases runs alone so the error belongs
+        to the case that raised it.
+        """
+        from ._runner import run_cases
 
         if case.id not in self._outcomes:
+            batch = self._batch_for(case)
+            results: list[Any]
             try:
-                result: Any = run_case(self.attention_for(case), self.caps, case,
-                                            platform=self.platform)
-            except Exception as exc:  # noqa: BLE001 - re-raised by every test of the case
-                result = exc
-            self._outcomes[case.id] = result
+                results = run_cases([(self.attention_for(c), c) for c in batch], self.caps,
+                                    platform=self.platform)
+            except Exception as exc:  # noqa: BLE001 - re-raised by every test of its case
+                results = [exc] if len(batch) == 1 else [self._alone(c) for c in batch]
+            for c, result in zip(batch, results):
+                self._outcomes[c.id] = result
         result = self._outcomes[case.id]
         if isinstance(result, Exception):
             raise result
         return result
+
+    def _alone(self, case: Case) -> Any:
+        """``case`` in a program of its own: its Outcome, or the exception it raised."""
+        from ._runner import run_case
+
+        try:
+            return run_case(self.attention_for(case), self.caps, case, platform=self.platform)
+        except Exception as exc:  # noqa: BLE001 - re-raised by every test of the case
+            return exc
 
     def unclaimed(self) -> list[tuple[str, str]]:
         """(kind, value) the manifest does not claim: features, dtypes, platforms,

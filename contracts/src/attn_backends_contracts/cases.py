@@ -198,6 +198,19 @@ LONG = (
     _c("long", "causal-gqa-q1031k1543", q_len=1031, kv_len=1543, q_heads=4, kv_heads=2,
        causal=True, return_lse=True),
 )
+# Decode steps: a few query rows (1, or 4 for speculative decoding) against a
+# longer KV cache with per-sequence lengths, GQA groups, head dim 128 (the size
+# decode kernels are built for; the base dim where a manifest rejects 128), in
+# every claimed dtype: decode kernels are often bfloat16-only. 600 keys span
+# several pages and chunks of a decode kernel (128-token pages, 512-key steps).
+DECODE = (
+    _c("decode", "q1k300-b3", batch=3, q_len=1, kv_len=300, q_heads=8, kv_heads=2, head_dim=128,
+       causal=True, kv_lengths=(300, 129, 1), quick=True),
+    _c("decode", "q4k600-spec-b2", batch=2, q_len=4, kv_len=600, q_heads=4, kv_heads=1,
+       head_dim=128, causal=True, kv_lengths=(600, 130)),
+    _c("decode", "q1k600-softcap-b2", batch=2, q_len=1, kv_len=600, q_heads=4, kv_heads=2,
+       head_dim=128, kv_lengths=(7, 600), softcap=5.0),
+)
 RAGGED = (
     _c("ragged", "lengths-b3", batch=3, q_len=13, kv_len=21, q_lengths=(13, 7, 2),
        kv_lengths=(21, 12, 5)),
@@ -208,7 +221,7 @@ RAGGED = (
 TABLES: dict[str, tuple[Case, ...]] = {
     t[0].family: t
     for t in (SHAPES, BLOCKS, GQA, CAUSAL, WINDOW, SEGMENT_IDS, LENGTHS, MASK, BIAS,
-              SOFTCAP, RETURN_LSE, COMBINED, MASKED_ROWS, MAGNITUDE, RAGGED, LONG)
+              SOFTCAP, RETURN_LSE, COMBINED, MASKED_ROWS, MAGNITUDE, RAGGED, DECODE, LONG)
 }
 
 #: Cases repeated in every claimed dtype besides the primary one ((family, name)).
@@ -217,6 +230,8 @@ DTYPE_SWEEP = (
     ("masked_rows", "causal-q23k5"), ("magnitude", "large"), ("bias", "full"),
     ("bias", "per-batch-f32"), ("lengths", "kv-b3"), ("combined", "all"),
 )
+#: Families that run whole in every claimed dtype, not only the primary one.
+EVERY_DTYPE = frozenset({"decode"})
 #: The part of the sweep kept by ``quick``.
 QUICK_SWEEP = (("shapes", "q17k17"),)
 #: Families whose cases get no ``tiles`` twin: ``long`` spans several default
@@ -269,7 +284,9 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
     """Cases a manifest can serve, head dims filled in, each claimed dtype covered.
 
     The primary dtype (float32 if claimed, else the first claimed) runs every
-    table; each other claimed dtype runs :data:`DTYPE_SWEEP`. With ``tiles``,
+    table; each other claimed dtype runs :data:`DTYPE_SWEEP` and the tables
+    of :data:`EVERY_DTYPE`. A case that names a head dim the manifest rejects
+    runs at the base head dim instead. With ``tiles``,
     each primary-dtype case outside :data:`NO_TILES` (with ``quick``: those of
     :data:`QUICK_TILES`) also gets a ``tiles=True`` twin; the suite drops the
     twins of a backend whose ``tile_small_options`` returns None. Cases whose
@@ -293,13 +310,15 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
     for dtype in dtypes:
         if dtype != primary:
             chosen += [replace(by_key[key], dtype=dtype) for key in sweep if key in by_key]
+            chosen += [replace(case, dtype=dtype) for family in sorted(EVERY_DTYPE)
+                       for case in tables[family] if case.quick or not quick]
     if tiles:
         twins = [c for c in chosen if c.dtype == primary and c.family not in NO_TILES
                  and (not quick or (c.family, c.name) in QUICK_TILES)]
         chosen += [replace(c, tiles=True) for c in twins]
     out = []
     for case in chosen:
-        d = case.head_dim or base
+        d = case.head_dim if case.head_dim and _head_dim_ok(caps.head_dims, case.head_dim) else base
         case = replace(case, head_dim=d, v_head_dim=case.v_head_dim or d,
                        return_lse=case.return_lse or (case.lse and caps.return_lse))
         if case.features <= caps.features:

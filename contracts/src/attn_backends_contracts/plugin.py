@@ -150,6 +150,13 @@ class _Recorder:
             self.config.hook.pytest_deselected(items=dropped)
             items[:] = kept
 
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        suite = self.config.stash.get(_key(), None)
+        if suite is not None:
+            # Only the numeric tests take attn_case; each asks for its case's outcome.
+            params = (getattr(getattr(item, "callspec", None), "params", {}) for item in session.items)
+            suite.plan([p["attn_case"] for p in params if "attn_case" in p])
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         meta = self.meta.get(report.nodeid)
         suite = self.config.stash.get(_key(), None)

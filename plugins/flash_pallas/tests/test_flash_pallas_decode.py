@@ -146,3 +146,52 @@ def test_export_for_tpu_lowers_the_paged_kernel(interpret):
     assert forward.count("tpu_custom_call") == 1 and "paged_flash_attention" in forward
     # Differentiated: splash forward, dkv and dq kernels, never the paged kernel.
     assert train.count("tpu_custom_call") >= 3 and "paged_flash_attention" not in train
+
+
+def _pages_of_the_previous_sequence(kernel):
+    def mutant(q, k_pages, v_pages, lengths, page_indices, **kw):
+        rows = page_indices.shape[0] // 2  # the suite's decode cases of batch 2 and 3
+        return kernel(q, k_pages, v_pages, lengths, jnp.roll(page_indices, rows, axis=0), **kw)
+    return mutant
+
+
+def _lengths_one_short(kernel):
+    def mutant(q, k_pages, v_pages, lengths, page_indices, **kw):
+        return kernel(q, k_pages, v_pages, jnp.maximum(lengths - 1, 0), page_indices, **kw)
+    return mutant
+
+
+def _softcap_dropped(kernel):
+    def mutant(q, k_pages, v_pages, lengths, page_indices, **kw):
+        return kernel(q, k_pages, v_pages, lengths, page_indices,
+                      **{**kw, "attn_logits_soft_cap": None})
+    return mutant
+
+
+@pytest.mark.parametrize("mutant", [_pages_of_the_previous_sequence, _lengths_one_short,
+                                    _softcap_dropped], ids=lambda m: m.__name__.strip("_"))
+def test_the_suites_decode_family_reaches_the_paged_kernel(mutant, tmp_path, monkeypatch):
+    """A bug inside the paged path fails `check`'s decode family in bfloat16 (the
+    only dtype routed there), and nothing else."""
+    import json
+
+    from attn_backend_flash_pallas import _decode
+    from attn_backends_contracts import run_check
+    from jax.experimental.pallas.ops.tpu import paged_attention as module
+
+    monkeypatch.setenv("ATTN_BACKENDS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(module, "paged_attention", mutant(module.paged_attention))
+    _decode._paged_fn.cache_clear()  # built around the kernel it found
+    try:
+        with interpret_mode():
+            code = run_check(FlashPallasBackend(), str(tmp_path / "cert.json"),
+                             ["--attn-only", "decode", "-q", "-p", "no:cacheprovider"])
+    finally:
+        _decode._paged_fn.cache_clear()
+    failures = json.loads((tmp_path / "cert.json").read_text())["failures"]
+    failed = {f["case"] for f in failures}
+    assert code != 0
+    assert failed and all(case.startswith("decode-") and case.endswith("-bfloat16")
+                          for case in failed), failed
+    if mutant is _softcap_dropped:
+        assert failed == {"decode-q1k600-softcap-b2-bfloat16"}

@@ -114,7 +114,7 @@ $(CERTIFY_MAIN): certify-main-%: install
 test-jax-next: install-next
 	$(PY_NEXT) -c "import jax; print('jax', jax.__version__, 'on Python 3.12')"
 	$(PY_NEXT) -m pytest $(PYTEST_2) plugins/flash_pallas plugins/flash_triton plugins/cudnn \
-		tests/test_flax.py tests/test_flax_nnx.py \
+		tests/test_flax.py tests/test_flax_nnx.py tests/test_platform_dispatch.py \
 		plugins/xla_native/tests/test_xla_native_decode.py \
 		plugins/xla_native/tests/test_xla_native_forward_only.py
 	$(MAKE_2) $(CERTIFY_NEXT)

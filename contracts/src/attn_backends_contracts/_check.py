@@ -27,7 +27,7 @@ def run_check(
     in-process backend: its certificate is written to ``json_path`` but not
     stored, since ``attn-backends list`` shows installed backends only). The
     certificate of an installed backend is also stored with
-    ``attn_backends._certificates.store``. ``extra_pytest_args`` go to pytest
+    ``attn_backends.certificates.store``. ``extra_pytest_args`` go to pytest
     (e.g. ``["--attn-quick", "-x", "-k", "causal"]``).
     """
     import pytest
@@ -50,7 +50,7 @@ def run_check(
         if json_path:
             Path(json_path).write_text(json.dumps(certificate, indent=2, sort_keys=True))
         if by_name:
-            from attn_backends import _certificates
+            from attn_backends import certificates
 
-            _certificates.store(certificate)
+            certificates.store(certificate)
     return code

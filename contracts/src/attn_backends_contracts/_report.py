@@ -20,7 +20,7 @@ def _suite_version() -> str:
 def certificate(suite: Any, exitstatus: int) -> dict[str, Any]:
     """The certificate dict: environment key fields plus what ran and how it went."""
     import attn_backends
-    from attn_backends import _certificates
+    from attn_backends import certificates
 
     backend = suite.backend
     counts = Counter(r["outcome"] for r in suite.records)
@@ -31,7 +31,7 @@ def certificate(suite: Any, exitstatus: int) -> dict[str, Any]:
         cell[r["outcome"]] = cell.get(r["outcome"], 0) + 1
     failed = counts["failed"]
     return {
-        **_certificates.environment_key(backend, suite.platform),
+        **certificates.environment_key(backend, suite.platform),
         "api_version": attn_backends.API_VERSION,
         "backend_api_version": backend.api_version,
         "suite": "attn-backends-contracts",

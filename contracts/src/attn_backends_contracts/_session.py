@@ -18,9 +18,6 @@ from .cases import Case, cases_for
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Platform names as JAX reports them -> the contract's names.
-_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
-
 
 #: Numeric cases compiled together as one program (see :func:`._runner.run_cases`).
 BATCH_SIZE = 16
@@ -88,10 +85,11 @@ def load_object(spec: str) -> Any:
 
 
 def local_platform() -> str:
+    """The contract's name of JAX's default platform here."""
+    import attn_backends
     import jax
 
-    name = jax.default_backend()
-    return _PLATFORM_ALIASES.get(name, name)
+    return attn_backends.platform_name(jax.default_backend())
 
 
 class Suite:

@@ -20,7 +20,9 @@ from ._errors import (
 )
 from ._attention import Attention
 from ._discovery import LoadProblem, Origin
+from ._environment import env_flag
 from ._hookspec import ENTRY_POINT_GROUP, hookimpl
+from ._platform import platform_name
 from ._registry import Registry
 from ._select import Explanation, Verdict, select
 
@@ -55,7 +57,9 @@ __all__ = [
     "UnsupportedError",
     "Verdict",
     "bind",
+    "env_flag",
     "hookimpl",
+    "platform_name",
     "registry",
     "select",
 ]

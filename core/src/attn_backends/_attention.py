@@ -11,11 +11,12 @@ import jax
 
 from ._backend import Backend
 from ._contract import AttentionCall, Operands, bind
+from ._dispatch import Served, unavailable_message
 from ._errors import FallbackWarning, NoBackendError, PlatformUnavailableError, warn, UnsupportedError
-from ._guards import empty_result, no_gradient, refuse_unclaimed
-from ._platform import visible_platforms
+from ._guards import empty_result
 from ._select import Explanation, select
-from ._sharding import Layout, ShardingRequest, explain_sharded, resolve_layout, sharded_attention
+from ._sharded_run import explain_sharded, sharded_attention
+from ._sharding import Layout, ShardingRequest, resolve_layout
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -32,7 +33,9 @@ class Attention:
     softcap=None, return_lse=False)`` with q ``[B, Tq, Hq, D]``, k
     ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` returns out ``[B, Tq, Hq, Dv]``
     (and lse ``[B, Hq, Tq]`` float32 with ``return_lse=True``). Selection
-    runs once per call signature, at trace time under ``jit``. Inputs sharded
+    runs once per call signature, at trace time under ``jit``; the selected
+    backend is lowered only for its platform (``platforms``: one, or several
+    for a program exported for each). Inputs sharded
     on a mesh (or ``sharding`` from ``registry.get(mesh=, spec=,
     sequence_axis=)``) are served per device, or as ring attention when the
     sequence is sharded (docs/MANY_CHIPS.md).
@@ -42,8 +45,7 @@ class Attention:
         self,
         registry: Registry,
         *,
-        platform: str,
-        present: bool,
+        platforms: tuple[tuple[str, bool], ...],
         backend: str | None,
         prefer: tuple[str, ...],
         fallback: str,
@@ -51,8 +53,9 @@ class Attention:
         sharding: ShardingRequest | None = None,
     ):
         self.registry = registry
-        self.platform = platform
-        self.present = present
+        #: (platform, present here) per platform served; ``platform`` is the first.
+        self.platforms = platforms
+        self.platform, self.present = platforms[0]
         self.backend_name = backend
         self.prefer = prefer
         self.fallback = fallback
@@ -60,7 +63,7 @@ class Attention:
         self.sharding = sharding
         # Keyed by the registry's generation too, so a reload or register()
         # is seen by Attention objects made before it.
-        self._selections: OrderedDict[tuple[int, AttentionCall, Layout | None], Backend] = (
+        self._selections: OrderedDict[tuple[int, str, AttentionCall, Layout | None], Backend] = (
             OrderedDict()
         )
         self._lock = threading.Lock()
@@ -70,27 +73,33 @@ class Attention:
 
     def __repr__(self) -> str:
         pinned = f" backend={self.backend_name!r}" if self.backend_name else ""
-        return f"<Attention platform={self.platform!r}{pinned} fallback={self.fallback!r}>"
+        where = "/".join(p for p, _ in self.platforms)
+        return f"<Attention platform={where!r}{pinned} fallback={self.fallback!r}>"
 
     def explain_call(
-        self, call: AttentionCall, call_for: Callable[[Backend], AttentionCall] | None = None
+        self, call: AttentionCall, call_for: Callable[[Backend], AttentionCall] | None = None,
+        platform: str | None = None, **judging: Any,
     ) -> Explanation:
-        """Verdicts for an already-bound call (``call_for``: see :func:`select`)."""
+        """Verdicts for an already-bound call on ``platform`` (default: the first
+        platform; ``call_for`` and ``judging`` (``calls_for``, ``reasons_for``): see
+        :func:`select`)."""
+        platform = self.platform if platform is None else platform
         backends = self.registry.backends
         if self.backend_name is not None:
             backends = {self.backend_name: self.registry.backend(self.backend_name)}
         origins = self.registry.origins
         return select(
             call,
-            self.platform,
+            platform,
             list(backends.values()),
             jax_version=jax.__version__,
-            present=self.present,
+            present=dict(self.platforms)[platform],
             prefer=self.prefer,
             distributions={name: origin.distribution for name, origin in origins.items()},
             probe=self.registry.probe,
             call_for=call_for,
             options=self.backend_options,
+            **judging,
         )
 
     def explain(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Explanation:
@@ -101,9 +110,13 @@ class Attention:
             return explain_sharded(self, call, layout)
         return self.explain_call(call)
 
-    def backend_for(self, call: AttentionCall, layout: Layout | None = None) -> Backend:
-        """The backend serving ``call`` (laid out as ``layout``), selecting on first sight."""
-        key = (self.registry.generation, call, layout)
+    def backend_for(
+        self, call: AttentionCall, layout: Layout | None = None, platform: str | None = None
+    ) -> Backend:
+        """The backend serving ``call`` (laid out as ``layout``) on ``platform`` (default:
+        the first), selecting on first sight."""
+        platform = self.platform if platform is None else platform
+        key = (self.registry.generation, platform, call, layout)
         cached = self._cached(key)
         if cached is not None:
             return cached
@@ -112,38 +125,39 @@ class Attention:
             if cached is not None:
                 return cached
             explanation = (
-                self.explain_call(call) if layout is None else explain_sharded(self, call, layout)
+                self.explain_call(call, platform=platform) if layout is None
+                else explain_sharded(self, call, layout)
             )
-            chosen = self._choose(call, explanation)
+            chosen = self._choose(call, explanation, platform)
             with self._lock:
                 self._selections[key] = chosen
                 while len(self._selections) > SELECTION_CACHE_SIZE:
                     self._selections.popitem(last=False)
         return chosen
 
-    def _cached(self, key: tuple[int, AttentionCall, Layout | None]) -> Backend | None:
+    def _cached(self, key: tuple[int, str, AttentionCall, Layout | None]) -> Backend | None:
         with self._lock:
             cached = self._selections.get(key)
             if cached is not None:
                 self._selections.move_to_end(key)
             return cached
 
-    def _choose(self, call: AttentionCall, explanation: Explanation) -> Backend:
+    def _choose(self, call: AttentionCall, explanation: Explanation, platform: str) -> Backend:
         if explanation.chosen is None:
             reasons = {v.backend: list(v.reasons) for v in explanation.verdicts}
             if self.backend_name is not None:
                 raise UnsupportedError(
                     f"backend={self.backend_name!r} cannot serve {call.describe()} on "
-                    f"{self.platform}: " + "; ".join(reasons.get(self.backend_name, []))
+                    f"{platform}: " + "; ".join(reasons.get(self.backend_name, []))
                 )
             raise NoBackendError(
-                f"no backend can serve {call.describe()} on {self.platform}:", reasons
+                f"no backend can serve {call.describe()} on {platform}:", reasons
             )
         passed = explanation.passed_over
         if passed and self.fallback != "silent":
             detail = "; ".join(f"{v.backend}: {', '.join(v.reasons)}" for v in passed)
             message = (
-                f"attention {call.describe()} on {self.platform} is served by "
+                f"attention {call.describe()} on {platform} is served by "
                 f"{explanation.chosen!r}, passing over {detail}"
             )
             if self.fallback == "error":
@@ -176,39 +190,27 @@ class Attention:
         if call.is_empty:
             with jax.named_scope("attn/empty"):
                 return empty_result(call, q)
-        if not self.present and not isinstance(q, jax.core.Tracer):
-            raise PlatformUnavailableError(
-                f"device={self.platform!r}: JAX sees no {self.platform} here (visible: "
-                f"{', '.join(visible_platforms()) or 'none'}). Selection for an absent "
-                "platform serves ahead-of-time export only: trace it with "
-                f"jax.export.export(jax.jit(f), platforms=[{self.platform!r}])."
-            )
+        if not any(present for _, present in self.platforms) and not isinstance(
+            q, jax.core.Tracer
+        ):
+            raise PlatformUnavailableError(unavailable_message([p for p, _ in self.platforms]))
         layout = resolve_layout(self.sharding, q, k, v)
         if layout is not None:
+            if len(self.platforms) > 1:
+                raise ValueError(
+                    "sharded attention runs on one platform: get it with one device, "
+                    f"not {[p for p, _ in self.platforms]}"
+                )
             return sharded_attention(self, call, layout, q, k, v, operands)
-        return self.run_backend(self.backend_for(call), call, q, k, v, operands)
+        served = {p: self.backend_for(call, platform=p) for p, _ in self.platforms}
+        return Served.of(served, self.backend_options)(call, q, k, v, operands)
 
     def run_backend(
         self, backend: Backend, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands
     ) -> Any:
-        """Call ``backend`` on the whole (global) arrays, guarded and named."""
-        refuse_unclaimed(backend, call)
-        q, k, v, operands = _guard_gradients(backend, q, k, v, operands)
-        with jax.named_scope(f"attn/{backend.name}"):
-            return backend.attend(
-                call, q, k, v, operands, self.backend_options.get(backend.name)
-            )
+        """Call ``backend`` on the whole (global) arrays, as core calls every backend."""
+        return self.served(backend)(call, q, k, v, operands)
 
-
-def _guard_gradients(
-    backend: Backend, q: Any, k: Any, v: Any, operands: Operands
-) -> tuple[Any, Any, Any, Operands]:
-    """Make a gradient the backend does not implement fail loudly, never silently."""
-    caps = backend.capabilities
-    if not caps.differentiable:
-        message = f"backend {backend.name!r} is not differentiable (capabilities)"
-        q, k, v = (no_gradient(x, message) for x in (q, k, v))
-    if operands.bias is not None and not caps.bias_grad:
-        message = f"backend {backend.name!r} has no gradient w.r.t. bias (bias_grad=False)"
-        operands = operands._replace(bias=no_gradient(operands.bias, message))
-    return q, k, v, operands
+    def served(self, backend: Backend) -> Served:
+        """``backend`` bound to this attention's platform and options, as core calls it."""
+        return Served.of({self.platform: backend}, self.backend_options)

@@ -62,6 +62,11 @@ class AttentionCall:
     bias_dtype: str | None = None
     softcap: float | None = None
     return_lse: bool = False
+    #: The platform (cpu, gpu, tpu) the program is being lowered for, set by
+    #: core when it calls ``Backend.attend``, so per-platform choices (block
+    #: sizes) follow the target, not the host; None elsewhere (a backend called
+    #: directly). Added within api_version 1.
+    platform: str | None = None
 
     @property
     def group(self) -> int:

@@ -21,9 +21,10 @@ import pluggy
 from ._backend import Backend
 from ._capabilities import Capabilities
 from ._contract import SUPPORTED_API_VERSIONS
+from ._environment import env_flag
 from ._errors import PluginConflictError, PluginError, PluginWarning, warn
 from ._hookspec import ENTRY_POINT_GROUP, PROJECT, HookSpecs
-from ._versions import in_range
+from ._select import jax_range_reason
 
 IN_PROCESS = "<in-process>"
 
@@ -80,8 +81,8 @@ class Settings:
             return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
         env = {
-            "autoload": not _env_flag("ATTN_BACKENDS_NO_AUTOLOAD"),
-            "strict": _env_flag("ATTN_BACKENDS_STRICT"),
+            "autoload": not env_flag("ATTN_BACKENDS_NO_AUTOLOAD"),
+            "strict": env_flag("ATTN_BACKENDS_STRICT"),
             "only": names("ATTN_BACKENDS_ONLY"),
             "disable": names("ATTN_BACKENDS_DISABLE") or frozenset(),
         }
@@ -90,16 +91,6 @@ class Settings:
 
     def allows(self, name: str) -> bool:
         return name not in self.disable and (self.only is None or name in self.only)
-
-
-def _env_flag(var: str) -> bool:
-    """A boolean environment variable: unset, 0/false/no/off or 1/true/yes/on."""
-    value = os.environ.get(var, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{var}: expected 1/0 (or true/false, yes/no, on/off), got {value!r}")
 
 
 def _entry_points() -> list[metadata.EntryPoint]:
@@ -269,12 +260,11 @@ class Loader:
             isinstance(p, int) and not isinstance(p, bool) for p in priority.values()
         ):
             return f"backend {name!r}: priority must map platform names to ints, got {priority!r}"
-        spec = item.capabilities.jax_versions
-        if spec and not in_range(self.jax_version, spec):
+        if jax_range_reason(item, self.jax_version):
             # Registered (explain shows it rejected), but say so at load time.
             warn(
-                f"backend {name!r} supports jax {spec}, but jax {self.jax_version} is "
-                "installed: it will not be selected",
+                f"backend {name!r} supports jax {item.capabilities.jax_versions}, but jax "
+                f"{self.jax_version} is installed: it will not be selected",
                 PluginWarning,
             )
         return None

@@ -8,6 +8,17 @@ from importlib import metadata
 from pathlib import Path
 
 
+def env_flag(var: str) -> bool:
+    """The on/off environment variable ``var``: unset, 0/false/no/off (off) or
+    1/true/yes/on (on), any case; anything else raises ValueError naming it."""
+    value = os.environ.get(var, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{var}: expected 1/0 (or true/false, yes/no, on/off), got {value!r}")
+
+
 def _installed(dist: str) -> str | None:
     try:
         return metadata.version(dist)

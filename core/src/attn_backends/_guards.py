@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ._backend import Backend
-from ._contract import AttentionCall
+from ._contract import AttentionCall, Operands
 from ._errors import UnsupportedError
 
 
@@ -42,6 +42,20 @@ def _no_gradient_bwd(message: str, _: None, g: Any) -> tuple[Any]:
 
 
 no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd)
+
+
+def guard_gradients(
+    backend: Backend, q: Any, k: Any, v: Any, operands: Operands
+) -> tuple[Any, Any, Any, Operands]:
+    """Make a gradient the backend does not implement fail loudly, never silently."""
+    caps = backend.capabilities
+    if not caps.differentiable:
+        message = f"backend {backend.name!r} is not differentiable (capabilities)"
+        q, k, v = (no_gradient(x, message) for x in (q, k, v))
+    if operands.bias is not None and not caps.bias_grad:
+        message = f"backend {backend.name!r} has no gradient w.r.t. bias (bias_grad=False)"
+        operands = operands._replace(bias=no_gradient(operands.bias, message))
+    return q, k, v, operands
 
 
 def empty_result(call: AttentionCall, q: Any) -> Any:

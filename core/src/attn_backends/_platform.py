@@ -7,7 +7,18 @@ from typing import Any
 
 from ._capabilities import PLATFORMS
 
+#: Platform names as JAX spells them -> the contract's names (cpu, gpu, tpu).
 _ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+#: The contract's platform names -> the lowering platforms JAX names them by
+#: (``jax.export(platforms=...)``, ``jax.lax.platform_dependent``).
+LOWERING_NAMES = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
+
+
+def platform_name(name: str) -> str:
+    """The contract's name for a platform JAX calls ``name``: "cuda" and "rocm"
+    are "gpu"; "cpu", "gpu" and "tpu" are themselves (case-insensitive)."""
+    name = name.lower()
+    return _ALIASES.get(name, name)
 
 
 @functools.cache
@@ -36,15 +47,24 @@ def resolve(device: Any) -> tuple[str, bool]:
     import jax
 
     if device is None:
-        platform = _ALIASES.get(jax.default_backend(), jax.default_backend())
-        return platform, True
+        return platform_name(jax.default_backend()), True
     if isinstance(device, jax.Device):
-        platform = _ALIASES.get(device.platform, device.platform)
-        return platform, True
+        return platform_name(device.platform), True
     if isinstance(device, str):
-        platform = _ALIASES.get(device.lower(), device.lower())
+        platform = platform_name(device)
         if platform in PLATFORMS:
             return platform, platform in visible_platforms()
     raise ValueError(
         f"device: expected None, one of {sorted(PLATFORMS)} or a jax.Device, got {device!r}"
     )
+
+
+def resolve_all(device: Any) -> tuple[tuple[str, bool], ...]:
+    """:func:`resolve` for ``device`` or for each entry of a list or tuple of them
+    (a program exported for several platforms), duplicates dropped."""
+    if not isinstance(device, (list, tuple)):
+        return (resolve(device),)
+    if not device:
+        raise ValueError("device: an empty list names no platform; pass None for JAX's default")
+    resolved = dict(resolve(d) for d in device)
+    return tuple(resolved.items())

@@ -123,6 +123,12 @@ class Registry:
     ) -> Attention:
         """An :class:`Attention` callable for ``device`` (None = JAX's default).
 
+        ``device``: None, "cpu", "gpu" or "tpu" (or "cuda"), a ``jax.Device``, or
+        a list of these for a program exported for several platforms
+        (``jax.export(..., platforms=[...])``): each gets its own selection, and
+        each backend is lowered only for the platform it was selected for
+        (lowering for a platform not asked for raises PlatformUnavailableError).
+
         ``backend="x"`` is strict (no fallback). ``prefer`` lists names to try
         first. ``fallback`` is "warn", "error" or "silent". ``backend_options``
         maps a backend name to its config object (e.g. block sizes).
@@ -136,7 +142,7 @@ class Registry:
         1024).
         """
         from ._attention import Attention
-        from ._platform import resolve
+        from ._platform import resolve_all
         from ._sharding import ShardingRequest
 
         if fallback not in FALLBACK_MODES:
@@ -154,11 +160,9 @@ class Registry:
                 f"(installed: {', '.join(sorted(self.backends)) or 'none'}); ignored",
                 AttnBackendsWarning,
             )
-        platform, present = resolve(device)
         return Attention(
             self,
-            platform=platform,
-            present=present,
+            platforms=resolve_all(device),
             backend=backend,
             prefer=tuple(prefer or ()),
             fallback=fallback,

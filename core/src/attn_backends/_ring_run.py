@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from ._contract import AttentionCall, Operands
+from ._dispatch import Served
 from ._errors import UnsupportedError
-from ._guards import refuse_unclaimed
 from ._ring import RingPlan, ring_fn
 from ._select import Explanation
 from ._sharding import Layout, ShardedExplanation, _local, operand_specs, place_all, present
@@ -118,8 +118,6 @@ def ring_bytes_per_step(call: AttentionCall, layout: Layout) -> int:
     return size * _ITEMSIZE[call.dtype] + ids
 
 
-_NO_LSE = "feature 'return_lse' not supported"
-
 
 def _ring_reasons(backend: Backend) -> list[str]:
     if not backend.capabilities.return_lse:
@@ -131,33 +129,15 @@ def _ring_reasons(backend: Backend) -> list[str]:
 def explain_ring(attention: Attention, call: AttentionCall, layout: Layout) -> Explanation:
     """Verdicts of every backend on all the per-block calls of the ring, and the choice."""
     plan = ring_plan(call, layout)
-    per_call = [attention.explain_call(c) for c in plan.calls]
-    registry = attention.registry
-    verdicts = []
-    chosen = None
-    for first in per_call[0].verdicts:
-        backend = registry.backend(first.backend)
-        reasons = _ring_reasons(backend)
-        ring_rejected = bool(reasons)
-        probed = None
-        for explanation in per_call:
-            verdict = next(v for v in explanation.verdicts if v.backend == first.backend)
-            # The ring's own reason already says why return_lse is needed.
-            reasons += [r for r in verdict.reasons
-                        if r not in reasons and not (ring_rejected and r == _NO_LSE)]
-            probed = verdict.probed if probed is None else probed
-        accepted = not reasons
-        if accepted and chosen is None:
-            chosen = first.backend
-        verdicts.append(dataclasses.replace(first, accepted=accepted, reasons=tuple(reasons),
-                                            probed=probed))
+    base = attention.explain_call(call, calls_for=lambda backend: plan.calls,
+                                  reasons_for=_ring_reasons)
     order = "zigzag order (causal load balance)" if plan.zigzag else "contiguous order"
     step = ring_bytes_per_step(call, layout)
     calls = " and ".join(c.describe() for c in plan.calls)
     text = (f"{layout.describe()}; {plan.size} steps, {order}; per sub-chunk pair the backend "
             f"gets {calls}; ppermute {step} bytes per device per step")
-    return ShardedExplanation(call, per_call[0].platform, per_call[0].present,
-                              tuple(verdicts), chosen, plan=text)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    return ShardedExplanation(**fields, plan=text)
 
 
 def _zigzag_perms(p: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -238,20 +218,11 @@ def _positions(plan: RingPlan) -> Any:
     return jnp.concatenate([r * c + rows, (2 * plan.size - 1 - r) * c + rows])
 
 
-def _attend_with(backend: Backend, options: Any) -> Any:
-    def attend(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands) -> Any:
-        refuse_unclaimed(backend, call)
-        with jax.named_scope(f"attn/{backend.name}"):
-            return backend.attend(call, q, k, v, ops, options)
-
-    return attend
-
-
 @functools.lru_cache(maxsize=64)
-def _ring_callable(backend: Backend, options: Any, call: AttentionCall, layout: Layout,
+def _ring_callable(served: Served, call: AttentionCall, layout: Layout,
                    names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> Any:
     plan = ring_plan(call, layout)
-    ring = ring_fn(plan, _attend_with(backend, options))
+    ring = ring_fn(plan, served)
     axis, p = plan.axis, plan.size
     fake = {n: jax.ShapeDtypeStruct(s, "int32") for n, s in zip(names, shapes, strict=True)}
     specs = operand_specs(layout, call, fake)
@@ -282,14 +253,10 @@ def _ring_callable(backend: Backend, options: Any, call: AttentionCall, layout: 
 def ring_attention_call(attention: Attention, call: AttentionCall, layout: Layout,
                         q: Any, k: Any, v: Any, operands: Operands) -> Any:
     """Run ``call`` as ring attention over ``layout.sequence`` (q, k, v global arrays)."""
-    from ._attention import _guard_gradients
-
     ring_plan(call, layout)  # layout errors before selection warnings
-    backend = attention.backend_for(call, layout)
-    q, k, v, operands = _guard_gradients(backend, q, k, v, operands)
-    options = attention.backend_options.get(backend.name)
+    served = attention.served(attention.backend_for(call, layout))
     ops = present(operands)
-    key = (backend, options, call, layout, tuple(ops), tuple(tuple(x.shape) for x in ops.values()))
+    key = (served, call, layout, tuple(ops), tuple(tuple(x.shape) for x in ops.values()))
     try:
         fn = _ring_callable(*key)
     except TypeError:  # unhashable backend options: build uncached

@@ -95,11 +95,19 @@ def rank(backends: Sequence[Backend], platform: str, prefer: Sequence[str] = ())
     )
 
 
-def _reasons(backend: Backend, call: AttentionCall, platform: str, jax_version: str) -> list[str]:
-    reasons = backend.capabilities.unmet(call, platform)
+def jax_range_reason(backend: Backend, jax_version: str) -> str | None:
+    """Why ``backend`` is not selected under ``jax_version`` (None: its range allows it)."""
     spec = backend.capabilities.jax_versions
     if spec and not in_range(jax_version, spec):
-        reasons.append(f"jax {jax_version} is outside the supported range {spec}")
+        return f"jax {jax_version} is outside the supported range {spec}"
+    return None
+
+
+def _reasons(backend: Backend, call: AttentionCall, platform: str, jax_version: str) -> list[str]:
+    reasons = backend.capabilities.unmet(call, platform)
+    out_of_range = jax_range_reason(backend, jax_version)
+    if out_of_range:
+        reasons.append(out_of_range)
     if reasons:
         return reasons
     try:
@@ -120,6 +128,8 @@ def select(
     probe: Probe | None = None,
     call_for: Callable[[Backend], AttentionCall] | None = None,
     options: Mapping[str, Any] | None = None,
+    calls_for: Callable[[Backend], Sequence[AttentionCall]] | None = None,
+    reasons_for: Callable[[Backend], Sequence[str]] | None = None,
 ) -> Explanation:
     """Judge every backend for ``call`` on ``platform`` and choose the first survivor.
 
@@ -129,18 +139,28 @@ def select(
     a backend name to the caller's options, which its probe runs under.
     ``call_for`` gives the call a backend will really receive when that
     differs from ``call`` (a backend run per device sees the per-device
-    shapes); checks and probes judge that call.
+    shapes); checks and probes judge that call. ``calls_for`` gives several
+    calls a backend will receive (a ring's per-block calls): it must pass on
+    each. ``reasons_for`` adds reasons of the caller's own (a ring needs lse).
     """
     verdicts = []
     chosen = None
     for backend in rank(backends, platform, prefer):
-        judged = call if call_for is None else call_for(backend)
-        reasons = _reasons(backend, judged, platform, jax_version)
+        if calls_for is not None:
+            judged = list(calls_for(backend))
+        else:
+            judged = [call if call_for is None else call_for(backend)]
+        reasons = list(reasons_for(backend)) if reasons_for is not None else []
+        for one in judged:
+            reasons += [r for r in _reasons(backend, one, platform, jax_version) if r not in reasons]
         probed = None
         if not reasons and probe is not None and present and chosen is None:
-            outcome = probe(backend, judged, platform, (options or {}).get(backend.name))
-            probed = outcome is not None
-            reasons = list(outcome or ())
+            for one in judged:
+                outcome = probe(backend, one, platform, (options or {}).get(backend.name))
+                probed = bool(probed) or outcome is not None
+                reasons += [r for r in outcome or () if r not in reasons]
+                if reasons:
+                    break
         accepted = not reasons
         if accepted and chosen is None:
             chosen = backend.name

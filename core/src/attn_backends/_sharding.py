@@ -1,4 +1,6 @@
-"""Sharded inputs: learn how q, k, v are laid out on a mesh, check it, and run the call.
+"""Sharded inputs: learn how q, k, v are laid out on a mesh, and check it.
+
+Running a sharded call is ``_sharded_run``'s (and the ring's, ``_ring_run``).
 
 The layout is a ``PartitionSpec`` over the BTNH dims of q, k and v (one spec
 for all three): batch and heads may be sharded over any mesh axes, the
@@ -24,18 +26,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec
 
 from ._contract import AttentionCall, Operands
-from ._guards import refuse_unclaimed
 from ._select import Explanation
-
-if TYPE_CHECKING:
-    from ._attention import Attention
-    from ._backend import Backend
 
 _DIMS = ("batch", "sequence", "heads", "head_dim")
 
@@ -319,102 +316,3 @@ def place_all(layout: Layout, specs: tuple[Any, ...], args: tuple[Any, ...]) -> 
                      is_leaf=lambda s: isinstance(s, PartitionSpec))
         for spec, arg in zip(specs, args, strict=True)
     )
-
-
-@functools.lru_cache(maxsize=128)
-def _split_fn(backend: Backend, options: Any, call: AttentionCall, layout: Layout,
-              names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> Any:
-    """jit(shard_map(backend.attend)) over the batch and head axes of ``layout``."""
-    local = _local(call, layout)
-    fake = {n: jax.ShapeDtypeStruct(s, "int32") for n, s in zip(names, shapes, strict=True)}
-    specs = operand_specs(layout, call, fake)
-    out_specs = (layout.qkv_spec, layout.lse_spec) if call.return_lse else layout.qkv_spec
-
-    def body(q: Any, k: Any, v: Any, ops: dict[str, Any]) -> Any:
-        refuse_unclaimed(backend, local)
-        with jax.named_scope(f"attn/{backend.name}"):
-            return backend.attend(local, q, k, v, Operands(**ops), options)
-
-    spec = layout.qkv_spec
-    in_specs = (spec, spec, spec, specs)
-    mapped = jax.shard_map(
-        body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-    )
-    return jax.jit(lambda *args: mapped(*place_all(layout, in_specs, args)))
-
-
-def run_split(backend: Backend, options: Any, call: AttentionCall, layout: Layout,
-              q: Any, k: Any, v: Any, operands: Operands) -> Any:
-    """Run a non-partitionable backend per device over batch/head shards (no gather)."""
-    ops = present(operands)
-    names = tuple(ops)
-    shapes = tuple(tuple(x.shape) for x in ops.values())
-    try:
-        fn = _split_fn(backend, options, call, layout, names, shapes)
-    except TypeError:  # unhashable backend options: build uncached
-        fn = _split_fn.__wrapped__(backend, options, call, layout, names, shapes)
-    return fn(q, k, v, ops)
-
-
-def _run_partitioned(attention: Attention, backend: Backend, call: AttentionCall, layout: Layout,
-                     q: Any, k: Any, v: Any, operands: Operands) -> Any:
-    """Run a partitionable backend on the global arrays and let XLA partition it.
-
-    "Partitionable" promises XLA's automatic partitioning, not sharding in
-    types: a backend's loops and reshapes need not carry Explicit shardings
-    (xla_native's loop carries do not). So on Explicit axes the backend runs
-    with the mesh's axes Auto (``jax.sharding.auto_axes``), and its output
-    comes back laid out as q (lse as ``[B, H, T]`` with the same axes).
-    """
-    run = functools.partial(attention.run_backend, backend, call)
-    if not _explicit(layout, (*layout.batch, *layout.heads)):
-        return run(q, k, v, operands)
-    out = jax.sharding.NamedSharding(layout.mesh, layout.qkv_spec)
-    if call.return_lse:
-        out = (out, jax.sharding.NamedSharding(layout.mesh, layout.lse_spec))
-    return jax.sharding.auto_axes(run, out_sharding=out)(q, k, v, operands)
-
-
-def sharded_attention(attention: Attention, call: AttentionCall, layout: Layout,
-                      q: Any, k: Any, v: Any, operands: Operands) -> Any:
-    """Serve ``call`` laid out as ``layout``: ring, XLA-partitioned, or shard_map'd."""
-    check_layout(layout, call)
-    if layout.sequence is not None:
-        from ._ring_run import ring_attention_call
-
-        return ring_attention_call(attention, call, layout, q, k, v, operands)
-    from ._attention import _guard_gradients
-
-    backend = attention.backend_for(call, layout)
-    if backend.capabilities.partitionable:
-        return _run_partitioned(attention, backend, call, layout, q, k, v, operands)
-    q, k, v, operands = _guard_gradients(backend, q, k, v, operands)
-    options = attention.backend_options.get(backend.name)
-    return run_split(backend, options, call, layout, q, k, v, operands)
-
-
-def explain_sharded(attention: Attention, call: AttentionCall, layout: Layout) -> Explanation:
-    """Every backend's verdict for ``call`` laid out as ``layout``, with the plan."""
-    check_layout(layout, call)
-    if layout.sequence is not None:
-        from ._ring_run import explain_ring
-
-        return explain_ring(attention, call, layout)
-    local = _local(call, layout)
-
-    def call_for(backend: Backend) -> AttentionCall:
-        # A backend XLA cannot partition runs per device: judge what it will see.
-        return call if backend.capabilities.partitionable else local
-
-    base = attention.explain_call(call, call_for)
-    plan = layout.describe()
-    if base.chosen is not None:
-        chosen = attention.registry.backend(base.chosen)
-        how = (
-            "partitionable: XLA partitions it" if chosen.capabilities.partitionable
-            else "not partitionable: run per device in shard_map over the batch/head axes, "
-            f"each device calling it with {local.describe()}"
-        )
-        plan += f"; {base.chosen} is {how}"
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    return ShardedExplanation(**fields, plan=plan)

@@ -192,6 +192,13 @@ def test_registry_serves_xla_native() -> None:
     np.testing.assert_allclose(tiled_out, out, atol=2e-6)
 
 
+def _instructions(compiled: Any) -> str:
+    """The compiled HLO without source locations and the module's name."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    text = re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*", "\n", text)
+    return re.sub(r"HloModule \S+", "HloModule", text)
+
+
 def test_registry_program_is_xla_natives_own() -> None:
     """What BENCHMARKS.md's registry-overhead row (bench_registry.py) is about:
     through the registry, xla_native lowers to exactly the program its
@@ -204,7 +211,9 @@ def test_registry_program_is_xla_natives_own() -> None:
     via_registry = jax.jit(lambda q, k, v: attn(q, k, v, **kwargs)).lower(spec, kv, kv)
     call, ops = attn_backends.bind(spec, kv, kv, **kwargs)
     direct = jax.jit(lambda q, k, v: BACKEND.attend(call, q, k, v, ops)).lower(spec, kv, kv)
-    assert via_registry.as_text() == direct.as_text()
+    # The lowered module also holds core's platform dispatch (a case on a
+    # constant platform index), which XLA folds away: same compiled program.
+    assert _instructions(via_registry.compile()) == _instructions(direct.compile())
     assert XlaNativeBackend.hlo_marker in direct.as_text()
     assert "attn/xla_native" in via_registry.as_text(debug_info=True)
 

@@ -59,7 +59,7 @@ def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands, options
     blocks = resolve_blocks(call, options, interpret)
     if not _decode.declines(call):
 
-        def splash(q: Any, k: Any, v: Any) -> Any:
+        def splash(q: Any, k: Any, v: Any, operands: Operands) -> Any:
             return _splash(call, q, k, v, operands, blocks, interpret)
 
         return _decode.run(call, q, k, v, operands, splash, interpret)

@@ -168,22 +168,26 @@ def run(
     k: Any,
     v: Any,
     operands: Operands,
-    splash: Callable[[Any, Any, Any], Any],
+    splash: Callable[[Any, Any, Any, Operands], Any],
     interpret: bool,
 ) -> Any:
     """out ``[B, Tq, Hq, D]`` for a call :func:`declines` accepted.
 
-    ``splash(q, k, v)`` is the splash path for the same call: the forward and
-    backward rules when the call is differentiated.
+    ``splash(q, k, v, operands)`` is the splash path for the same call: the
+    forward and backward rules when the call is differentiated. The operands
+    are an argument of the custom VJP, not a closure: its rules may be traced
+    later than the function (a call inside ``lax.switch``, such as core's
+    platform dispatch, is differentiated from its jaxpr), and a closed-over
+    tracer would then leak.
     """
     import jax
     import jax.numpy as jnp
 
     paged = _paged_fn(DecodePlan.for_call(call, interpret))
-    lengths = row_lengths(call, operands)
 
     @jax.custom_vjp
-    def attend(q: Any, k: Any, v: Any) -> Any:
+    def attend(q: Any, k: Any, v: Any, operands: Operands) -> Any:
+        lengths = row_lengths(call, operands)
         # Keys no live row sees are zeroed: the kernel masks the tail of its
         # last block additively (``qk + mask_value``), which a huge key defeats.
         k, v = _sanitize.hide_keys(call, k, v, operands)
@@ -191,11 +195,11 @@ def run(
         (out,) = paged(q32, k, v, lengths)
         return out.astype(q.dtype)
 
-    def attend_fwd(q: Any, k: Any, v: Any) -> tuple[Any, Any]:
-        return jax.vjp(splash, q, k, v)
+    def attend_fwd(q: Any, k: Any, v: Any, operands: Operands) -> tuple[Any, Any]:
+        return jax.vjp(lambda q, k, v: splash(q, k, v, operands), q, k, v)
 
-    def attend_bwd(splash_vjp: Any, d_out: Any) -> tuple[Any, Any, Any]:
-        return tuple(splash_vjp(d_out))
+    def attend_bwd(splash_vjp: Any, d_out: Any) -> tuple[Any, ...]:
+        return (*splash_vjp(d_out), None)  # integer operands: no cotangent
 
     attend.defvjp(attend_fwd, attend_bwd)
-    return attend(q, k, v)
+    return attend(q, k, v, operands)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections.abc import Iterator
+
+import attn_backends
 
 ENV_VAR = "ATTN_BACKENDS_TRITON_INTERPRET"
 #: How error messages and reasons tell a user to turn the switch on.
@@ -33,19 +34,10 @@ _forced: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
 )
 
 
-def _env_enabled() -> bool:
-    value = os.environ.get(ENV_VAR, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{ENV_VAR}: expected 1/0 (or true/false), got {value!r}")
-
-
 def interpret_enabled() -> bool:
     """Whether cpu runs the kernel in Pallas' interpreter (so the backend serves cpu)."""
     forced = _forced.get()
-    return _env_enabled() if forced is None else forced
+    return attn_backends.env_flag(ENV_VAR) if forced is None else forced
 
 
 @contextlib.contextmanager

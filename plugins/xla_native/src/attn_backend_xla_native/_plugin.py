@@ -16,7 +16,10 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     _VERSION = "0+unknown"
 
-_PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
+
+
+#: Platforms BlockConfig has default blocks for.
+_BLOCK_PLATFORMS = ("cpu", "gpu", "tpu")
 
 
 class XlaNativeBackend(Backend):
@@ -61,11 +64,16 @@ class XlaNativeBackend(Backend):
         operands: Operands,
         options: Any = None,
     ) -> Any:
-        """Blockwise attention; see :class:`attn_backends.Backend`."""
+        """Blockwise attention; see :class:`attn_backends.Backend`.
+
+        Default blocks follow the platform the program is lowered for
+        (``call.platform``), or the host's when the call does not say.
+        """
         if options is None:
             import jax
 
-            options = BlockConfig.default_for(call, _PLATFORMS.get(jax.default_backend(), "cpu"))
+            platform = call.platform or attn_backends.platform_name(jax.default_backend())
+            options = BlockConfig.default_for(call, platform if platform in _BLOCK_PLATFORMS else "cpu")
         elif not isinstance(options, BlockConfig):
             raise ValueError(
                 f"xla_native: options must be an attn_backend_xla_native.BlockConfig "

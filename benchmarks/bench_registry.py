@@ -73,15 +73,18 @@ def new_signature_selection(count: int = 200) -> dict:
     import jax.numpy as jnp
     from attn_backends import bind
 
-    att = attn_backends.registry.get(device="cpu")
     sds = jax.ShapeDtypeStruct
     kv = sds((1, 512, 2, 64), jnp.float32)
-    # Warm the probe verdict: every call below has the same probe key
-    # (dtype, features, head dims) and only a new sequence length.
-    att.backend_for(bind(sds((1, 1, 8, 64), jnp.float32), kv, kv, causal=True)[0])
     calls = [
         bind(sds((1, t, 8, 64), jnp.float32), kv, kv, causal=True)[0] for t in range(2, 2 + count)
     ]
+    # Warm the probe verdicts: the calls fall into a few probe keys (dtype,
+    # features, head dims, length classes); a first pass probes each once.
+    warm = attn_backends.registry.get(device="cpu")
+    for call in calls:
+        warm.backend_for(call)
+    # A fresh Attention: every signature is new to it, every verdict cached.
+    att = attn_backends.registry.get(device="cpu")
     start = time.perf_counter()
     chosen = {att.backend_for(call).name for call in calls}
     per_call = (time.perf_counter() - start) / count

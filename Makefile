@@ -31,7 +31,7 @@ CERTIFY_MAIN := $(addprefix certify-main-,$(BACKENDS))
 CERTIFY_NEXT := $(addprefix certify-next-,$(BACKENDS))
 INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1
 INTERPRET_flash_triton := ATTN_BACKENDS_TRITON_INTERPRET=1
-test-main test-jax-next test-gpu multidevice $(CERTIFY_MAIN) $(CERTIFY_NEXT): \
+test-main pytest-next test-gpu multidevice $(CERTIFY_MAIN) $(CERTIFY_NEXT): \
 	export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
 
 CHECK = $(VENV)/bin/attn-backends check
@@ -67,7 +67,11 @@ demo: install
 	$(PY) examples/demo.py
 	$(PY) examples/transformer/train.py --steps 20
 
-test: test-main test-jax-next test-wheels
+# Stages: the main pytest; the multidevice tests and certifications on jax 0.10
+# (the second environment installs beside them); the jax-next pytest; the
+# jax-next certifications beside the wheel installs (mostly downloads).
+test: test-main pytest-next
+	$(MAKE_2) certify-next-xla_native wheels-full certify-next-flash_pallas wheels-xla $(CERTIFY_NEXT)
 
 # Folder paths start with ./ so pip never mistakes one for a PyPI name
 # (`pip wheel contracts` builds an unrelated PyPI project).
@@ -77,15 +81,17 @@ dist: install
 
 # tests/wheels/run.sh: a fresh venv per variant, wheels from dist/, third-party
 # dependencies from PyPI; `--wheel` and `--run` add a wheel and a check script.
-test-wheels: dist
-	rm -rf $(DIST)/third-party tests/wheels/broken_backend/build
-	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST)/third-party ./tests/wheels/broken_backend
+test-wheels:
 	$(MAKE_2) wheels-full wheels-xla
 
-wheels-full:
+wheels-ready: dist
+	rm -rf $(DIST)/third-party tests/wheels/broken_backend/build
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST)/third-party ./tests/wheels/broken_backend
+
+wheels-full: wheels-ready
 	PYTHON=$(PYTHON) tests/wheels/run.sh --variant full
 
-wheels-xla:
+wheels-xla: wheels-ready
 	PYTHON=$(PYTHON) tests/wheels/run.sh --variant xla \
 		--wheel $(DIST)/third-party/attn_backend_broken-1.0-py3-none-any.whl \
 		--run tests/wheels/broken_not_served.py
@@ -96,11 +102,11 @@ wheels-xla:
 PYTEST_2 := -n 2 --dist loadfile
 MAKE_2 := $(MAKE) -j2 --output-sync=target
 
-.PHONY: multidevice wheels-full wheels-xla $(CERTIFY_MAIN) $(CERTIFY_NEXT)
+.PHONY: multidevice wheels-ready wheels-full wheels-xla pytest-next $(CERTIFY_MAIN) $(CERTIFY_NEXT)
 
 test-main: install
 	$(PY) -m pytest $(PYTEST_2) --durations=25
-	$(MAKE_2) multidevice $(CERTIFY_MAIN)
+	$(MAKE_2) certify-main-xla_native multidevice install-next $(CERTIFY_MAIN)
 
 multidevice: install
 	$(PY) -m pytest tests/multidevice
@@ -111,13 +117,15 @@ $(CERTIFY_MAIN): certify-main-%: install
 
 # On jaxlib >= 0.12 every call with Tq <= 8 takes xla_native's decode path, so
 # its decode tests and its certification on this line reach that path.
-test-jax-next: install-next
+test-jax-next: pytest-next
+	$(MAKE_2) $(CERTIFY_NEXT)
+
+pytest-next: install-next
 	$(PY_NEXT) -c "import jax; print('jax', jax.__version__, 'on Python 3.12')"
 	$(PY_NEXT) -m pytest $(PYTEST_2) plugins/flash_pallas plugins/flash_triton plugins/cudnn \
 		tests/test_flax.py tests/test_flax_nnx.py tests/test_platform_dispatch.py \
 		plugins/xla_native/tests/test_xla_native_decode.py \
 		plugins/xla_native/tests/test_xla_native_forward_only.py
-	$(MAKE_2) $(CERTIFY_NEXT)
 
 $(CERTIFY_NEXT): certify-next-%: install-next
 	mkdir -p $(CERTS)

@@ -41,7 +41,7 @@ CHECK_NEXT = $(VENV_NEXT)/bin/attn-backends check
 # (regular wheels, not editable); test-wheels installs them into fresh venvs.
 DIST := dist
 
-.PHONY: install install-next demo dist test test-main test-jax-next test-wheels test-gpu clean
+.PHONY: install install-next demo dist lint test test-main test-jax-next test-wheels test-gpu clean
 
 $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -70,8 +70,12 @@ demo: install
 # Stages: the main pytest; the multidevice tests and certifications on jax 0.10
 # (the second environment installs beside them); the jax-next pytest; the
 # jax-next certifications beside the wheel installs (mostly downloads).
-test: test-main pytest-next
+test: lint test-main pytest-next
 	$(MAKE_2) certify-next-xla_native wheels-full certify-next-flash_pallas wheels-xla $(CERTIFY_NEXT)
+
+# Ruff over every Python file of the repo (pyproject.toml holds its rules): seconds.
+lint: install
+	$(VENV)/bin/ruff check .
 
 # Folder paths start with ./ so pip never mistakes one for a PyPI name
 # (`pip wheel contracts` builds an unrelated PyPI project).

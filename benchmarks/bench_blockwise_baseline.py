@@ -34,7 +34,7 @@ def plain_blockwise(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         qi = q[:, :, i * BLOCK : (i + 1) * BLOCK]
 
         def body(j, carry, qi=qi, i=i):
-            m, l, acc = carry
+            m, denom, acc = carry
             kj = jax.lax.dynamic_slice_in_dim(k, j * BLOCK, BLOCK, axis=2)
             vj = jax.lax.dynamic_slice_in_dim(v, j * BLOCK, BLOCK, axis=2)
             s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj)
@@ -45,7 +45,7 @@ def plain_blockwise(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             p, c = jnp.exp(s - m_new[..., None]), jnp.exp(m - m_new)
             return (
                 m_new,
-                l * c + p.sum(-1),
+                denom * c + p.sum(-1),
                 acc * c[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p, vj),
             )
 
@@ -54,8 +54,8 @@ def plain_blockwise(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             jnp.zeros((B, H, BLOCK)),
             jnp.zeros((B, H, BLOCK, D)),
         )
-        _, l, acc = jax.lax.fori_loop(0, i + 1, body, init)  # blocks j <= i only
-        outs.append(acc / l[..., None])
+        _, denom, acc = jax.lax.fori_loop(0, i + 1, body, init)  # blocks j <= i only
+        outs.append(acc / denom[..., None])
     return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3)
 
 

@@ -208,7 +208,7 @@ def main() -> None:
         med = {n: statistics.median(t) for n, t in in_rounds(runs, args.reps, args.rounds).items()}
         gbps = (k.nbytes + v.nbytes) / med["sum"] / 1e9
 
-        def cell(name: str) -> str:
+        def cell(name: str, med: dict[str, float] = med) -> str:
             if name not in med:
                 return "-"
             return f"{med[name] * 1e3:.1f} ({100 * med['sum'] / med[name]:.0f}%)"

@@ -22,7 +22,7 @@ from typing import Any
 import attn_backends
 import jax
 from attn_backends import Backend, Capabilities, hookimpl
-from attn_backends._bench import run
+from attn_backends.cli.bench import run
 
 PEER = "bare_cudnn"
 

@@ -26,7 +26,8 @@ import tempfile
 import time
 import timeit
 
-IMPORT_SNIPPET = r"""
+IMPORT_SNIPPET = (
+    r"""
 import json, sys, time
 import jax
 t0 = time.perf_counter()
@@ -34,8 +35,10 @@ import attn_backends
 backends = attn_backends.registry.backends
 t1 = time.perf_counter()
 plugin_modules = sorted(m for m in sys.modules if m.startswith("attn_backend_") and "." in m)
-print(json.dumps({"seconds": t1 - t0, "backends": sorted(backends), "plugin_modules": plugin_modules}))
 """
+    'print(json.dumps({"seconds": t1 - t0, "backends": sorted(backends), '
+    '"plugin_modules": plugin_modules}))\n'
+)
 
 
 def import_and_discovery(repeat: int) -> dict:

@@ -62,11 +62,10 @@ def _programs(att: Any) -> dict[str, Any]:
 
 def measure(s: int, devices: int) -> list[dict[str, Any]]:
     """Memory of ring (``devices``) and single-device attention at sequence length ``s``."""
+    import attn_backends
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    import attn_backends
 
     registry = attn_backends.Registry(probe=None)
     mesh = jax.make_mesh((devices,), ("sp",), devices=jax.devices()[:devices])

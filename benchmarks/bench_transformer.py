@@ -25,10 +25,9 @@ import sys
 
 os.environ.setdefault("ATTN_BACKENDS_PALLAS_INTERPRET", "1")
 
+import attn_backends  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-
-import attn_backends  # noqa: E402
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "transformer", "train.py")
 _spec = importlib.util.spec_from_file_location("transformer_example", _PATH)

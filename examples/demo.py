@@ -5,10 +5,9 @@ Run by `make demo`. Prints the loss, the gradient norm and which backend ran.
 
 from __future__ import annotations
 
+import attn_backends
 import jax
 import jax.numpy as jnp
-
-import attn_backends
 
 B, T, D_MODEL, HQ, HKV = 2, 256, 256, 8, 2
 HEAD = D_MODEL // HQ
@@ -27,7 +26,9 @@ def init(key: jax.Array) -> dict[str, jax.Array]:
     }
 
 
-def block(params: dict[str, jax.Array], x: jax.Array, attention: attn_backends.Attention) -> jax.Array:
+def block(
+    params: dict[str, jax.Array], x: jax.Array, attention: attn_backends.Attention
+) -> jax.Array:
     """x ``[B, T, D_MODEL]`` -> ``[B, T, D_MODEL]``: pre-norm GQA attention + MLP."""
     h = jax.nn.standardize(x, axis=-1)
     q = (h @ params["wq"]).reshape(B, T, HQ, HEAD)
@@ -55,7 +56,10 @@ def main() -> None:
     hlo = step.lower(params).as_text(debug_info=True)
     in_hlo = f"attn/{chosen}" in hlo
     print(f"\ntransformer block B={B} T={T} d_model={D_MODEL} heads {HQ}:{HKV} (GQA), causal")
-    print(f"loss {float(value):.6f}  grad norm {float(grad_norm):.6f}  finite {bool(jnp.isfinite(grad_norm))}")
+    print(
+        f"loss {float(value):.6f}  grad norm {float(grad_norm):.6f}  "
+        f"finite {bool(jnp.isfinite(grad_norm))}"
+    )
     print(f"attention ran on backend: {chosen}; named scope attn/{chosen} in the program: {in_hlo}")
 
 

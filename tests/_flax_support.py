@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import attn_backends as ab
 from attn_backends.flax import FlaxAttention, attention_fn
 
 REGISTRY = ab.Registry(probe=None)

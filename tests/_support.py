@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import attn_backends as ab
 from attn_backends import Backend, Capabilities, hookimpl
 
 ALL_FEATURES = dict(
@@ -21,10 +21,42 @@ ALL_FEATURES = dict(
 
 
 def dense(call: ab.AttentionCall, q: Any, k: Any, v: Any, ops: ab.Operands) -> Any:
-    """The reference backend's math, used by fakes that must compute something."""
-    from attn_backend_reference._dense import dense_attention
-
-    return dense_attention(call, q, k, v, ops)
+    """Plain jnp attention for fakes that must compute something, so core's tests
+    need no plugin: float32 logits, the contract's visibility, zeros (lse -inf) for
+    rows that see no key. q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk,
+    Hkv, Dv]`` -> out ``[B, Tq, Hq, Dv]`` (and lse ``[B, Hq, Tq]``)."""
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    kk, vv = (jnp.repeat(f32(x), call.group, axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", f32(q), kk, precision="highest") * call.scale
+    if call.softcap is not None:
+        s = call.softcap * jnp.tanh(s / call.softcap)
+    if ops.bias is not None:
+        s = s + ops.bias
+    row, col = jnp.arange(call.q_len)[:, None], jnp.arange(call.kv_len)[None, :]
+    left, right = call.window or (None, None)
+    vis = jnp.ones((1, 1, call.q_len, call.kv_len), bool)
+    if call.causal:
+        vis &= col <= row + call.offset
+    if left is not None:
+        vis &= col >= row + call.offset - left
+    if right is not None:
+        vis &= col <= row + call.offset + right
+    if ops.q_segment_ids is not None:
+        vis &= (ops.q_segment_ids[:, :, None] == ops.kv_segment_ids[:, None, :])[:, None]
+    if ops.kv_lengths is not None:
+        vis &= (col < ops.kv_lengths[:, None, None])[:, None]
+    if ops.q_lengths is not None:
+        vis &= (row < ops.q_lengths[:, None, None])[:, None]
+    if ops.mask is not None:
+        vis &= ops.mask
+    peak = jax.lax.stop_gradient(jnp.max(jnp.where(vis, s, -jnp.inf), -1, keepdims=True))
+    p = jnp.where(vis, jnp.exp(s - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
+    total = p.sum(-1, keepdims=True)
+    seen = total > 0
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(seen, total, 1.0), vv,
+                     precision="highest").astype(q.dtype)
+    lse = jnp.where(seen, jnp.log(jnp.where(seen, total, 1.0)) + peak, -jnp.inf)[..., 0]
+    return (out, lse) if call.return_lse else out
 
 
 def make_backend(
@@ -97,8 +129,8 @@ class B(Backend):
     priority = {{"cpu": 5}}
 
     def attend(self, call, q, k, v, operands, options=None):
-        from attn_backend_reference._dense import dense_attention
-        return dense_attention(call, q, k, v, operands)
+        from _support import dense
+        return dense(call, q, k, v, operands)
 
 @hookimpl
 def attn_backends_register():

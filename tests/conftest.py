@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attn_backends as ab
 import pytest
 from _support import Plugin
-
-import attn_backends as ab
 from attn_backends import Backend
 
 

@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from attn_backends import oracle, tolerances
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -122,7 +121,8 @@ def draw(rng: np.random.Generator, grad_share: float = 0.3, heads: tuple[int, in
     if "q_lengths" in on:
         kw["q_lengths"] = rng.integers(0, tq + 1, (b,)).astype(np.int32)
     if "kv_lengths" in on:
-        kw["kv_lengths"] = rng.choice([0, 1, int(rng.integers(0, tk + 1)), tk], size=b).astype(np.int32)
+        kw["kv_lengths"] = rng.choice([0, 1, int(rng.integers(0, tk + 1)), tk],
+                                      size=b).astype(np.int32)
     broadcast = lambda ones: (1 if ones[0] else b, 1 if ones[1] else hq, tq, tk)  # noqa: E731
     if "mask" in on:
         kw["mask"] = rng.random(broadcast(sig.mask_shape)) < 0.7
@@ -164,9 +164,10 @@ def _jax_kwargs(rc: RandomCall) -> dict[str, Any]:
 
 
 def _compare(what: str, got: Any, want: Any, scale: Any, dtype: str) -> str | None:
-    error = tolerances.normalised_error(got, want, tolerances.tolerance(dtype, what, platform="cpu"),
-                                        magnitude=scale)
-    return None if error <= 1.0 else f"{what}: {error:.3g}x its tolerance"
+    """Core's verdict (the probe's and the suite's): why ``got`` disagrees, or None."""
+    tol = tolerances.tolerance(dtype, what, platform="cpu")
+    wrong = tolerances.compare(what, got, want, tol, scale)
+    return None if wrong is None else str(wrong)
 
 
 #: Jitted programs by (attention, static kwargs, gradient or not): calls of one
@@ -214,7 +215,7 @@ def run_one(attention: Any, rc: RandomCall) -> list[str]:
         out, grads = program(q, k, v, arrays, jnp.asarray(d_out, rc.dtype))
         with np.errstate(invalid="ignore", divide="ignore"):
             want = oracle.attention_vjp(qf, kf, vf, d_out, **okw)
-        for name, g in zip(("q", "k", "v"), grads):
+        for name, g in zip(("q", "k", "v"), grads, strict=True):
             problems.append(_compare(f"d{name}", g, want[name], scale[f"d{name}"], rc.dtype))
     else:
         result = program(q, k, v, arrays)
@@ -227,7 +228,7 @@ def run_one(attention: Any, rc: RandomCall) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     import attn_backends as ab
-    from attn_backends import _probe
+    from attn_backends.probe import prober as _probe
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=1000)
@@ -248,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{i + 1} calls, {wrong} wrong, {time.perf_counter() - start:.0f} s", flush=True)
     quarantined = _probe.quarantined()
     for record in quarantined:
-        print(f"QUARANTINED {record['key']['backend']} on {record['probe_call']}: {record['reasons']}")
+        print(f"QUARANTINED {record['key']['backend']} on {record['probe_call']}: "
+              f"{record['reasons']}")
     print(f"{args.calls} calls: {wrong} wrong answers, {len(quarantined)} quarantined verdicts")
     return 1 if wrong or quarantined else 0
 

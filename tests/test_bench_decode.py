@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from attn_backends._cli import main
+from attn_backends.cli.main import main
 
 
 @pytest.fixture(autouse=True)
@@ -14,7 +13,7 @@ def two_backends(monkeypatch):
     import attn_backends
 
     monkeypatch.setattr(
-        attn_backends, "registry", attn_backends.Registry(only=["reference", "xla_native"])
+        attn_backends._wiring, "registry", attn_backends.Registry(only=["reference", "xla_native"])
     )
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from attn_backends._cli import main
+from attn_backends.cli.main import main
 
 
 @pytest.fixture(autouse=True)
@@ -14,7 +13,7 @@ def only_reference(monkeypatch):
     import attn_backends
 
     monkeypatch.setenv("ATTN_BACKENDS_ONLY", "reference")
-    monkeypatch.setattr(attn_backends, "registry", attn_backends.Registry())
+    monkeypatch.setattr(attn_backends._wiring, "registry", attn_backends.Registry())
 
 
 def test_list_table_and_json(capsys):
@@ -37,7 +36,10 @@ def test_explain_prints_every_verdict(capsys):
             "--softcap", "30", "--return-lse"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "q[2,128,8,64] kv[2,256,2,64/64] bfloat16 gqa causal window=(32, None) segment_ids lengths softcap return_lse" in out
+    assert (
+        "q[2,128,8,64] kv[2,256,2,64/64] bfloat16 gqa causal window=(32, None) "
+        "segment_ids lengths softcap return_lse"
+    ) in out
     assert "reference" in out and "CHOSEN" in out
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -55,7 +57,8 @@ def test_explain_bad_input_is_a_message_not_a_traceback(capsys):
 
 def test_explain_unknown_backend(capsys):
     assert main(["explain", "--q", "1,8,2,64", "--kv", "1,8,2,64", "--backend", "nope"]) == 2
-    assert "backend='nope': no such backend is registered (installed: reference)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "backend='nope': no such backend is registered (installed: reference)" in err
 
 
 def test_explain_for_an_absent_platform_is_manifest_only(capsys):
@@ -64,12 +67,12 @@ def test_explain_for_an_absent_platform_is_manifest_only(capsys):
     assert "(not present here: manifest only, unprobed)" in capsys.readouterr().out
 
 
-def test_probe_fills_the_cache_and_list_shows_it(capsys, isolated_cache):
-    from attn_backends import Registry
+def test_probe_fills_the_cache_and_list_shows_it(capsys, isolated_cache, monkeypatch):
     import attn_backends
 
     # Two backends, so one is probed against the reference.
-    attn_backends.registry = Registry(only=["reference", "xla_native"])
+    monkeypatch.setattr(attn_backends._wiring, "registry",
+                        attn_backends.Registry(only=["reference", "xla_native"]))
     assert main(["probe", "--backends", "xla_native", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert {r["backend"] for r in results} == {"xla_native"}
@@ -94,17 +97,22 @@ def test_doctor_reports_versions_platforms_backends_and_cache(capsys, isolated_c
     assert "load problems: none" in capsys.readouterr().out
 
 
-def test_bench_times_each_backend_against_the_reference_and_plots(capsys, tmp_path):
+def test_bench_times_each_backend_against_the_reference_and_plots(capsys, tmp_path,
+                                                                  monkeypatch):
     import attn_backends
 
-    attn_backends.registry = attn_backends.Registry(only=["reference", "xla_native"])
+    monkeypatch.setattr(attn_backends._wiring, "registry",
+                        attn_backends.Registry(only=["reference", "xla_native"]))
     png = tmp_path / "bench.png"
     argv = ["bench", "--seq", "64,128", "--heads", "2", "--reps", "1", "--json", "--plot", str(png)]
     assert main(argv) == 0
     captured = capsys.readouterr()
     rows = json.loads(captured.out)
     assert {(r["backend"], r["seq"], r["kind"]) for r in rows} == {
-        (b, s, k) for b in ("reference", "xla_native") for s in (64, 128) for k in ("fwd", "fwd+bwd")
+        (b, s, k)
+        for b in ("reference", "xla_native")
+        for s in (64, 128)
+        for k in ("fwd", "fwd+bwd")
     }
     assert all(r["ms"] > 0 for r in rows)
     assert all(r["vs_reference"] == 1.0 for r in rows if r["backend"] == "reference")
@@ -138,8 +146,9 @@ def test_arguments_after_a_double_dash_are_only_for_check(capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["bench", "--reps", "0"], "argument --reps: expected an int >= 1, got 0"),
-        (["bench", "--seq", "0"], "--seq: expected sequence lengths >= 1, got 0"),
+        (["bench", "--reps", "0"], "argument --reps: expected an integer >= 1, got '0'"),
+        (["bench", "--seq", "0"],
+         "argument --seq: expected comma-separated lengths >= 1 like 512,1024, got '0'"),
         # flash_pallas cannot serve cpu unless its interpreter is switched on.
         (["bench", "--backends", "flash_pallas", "--seq", "16", "--reps", "1"],
          "nothing was timed"),
@@ -150,7 +159,7 @@ def test_bench_refuses_what_it_cannot_time(capsys, monkeypatch, argv, message):
 
     monkeypatch.setenv("ATTN_BACKENDS_ONLY", "reference,flash_pallas")
     monkeypatch.delenv("ATTN_BACKENDS_PALLAS_INTERPRET", raising=False)
-    monkeypatch.setattr(attn_backends, "registry", attn_backends.Registry())
+    monkeypatch.setattr(attn_backends._wiring, "registry", attn_backends.Registry())
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse's own exit for a bad option

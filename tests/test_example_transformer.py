@@ -11,10 +11,9 @@ import importlib.util
 import os
 import sys
 
+import attn_backends as ab
 import numpy as np
 import pytest
-
-import attn_backends as ab
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "transformer", "train.py")
 _spec = importlib.util.spec_from_file_location("transformer_example", _PATH)

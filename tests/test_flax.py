@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _flax_support import PRIMARY, REGISTRY, close, ours, x
-
 from attn_backends.flax import attention_fn
 
 F, HEADS = 32, 4

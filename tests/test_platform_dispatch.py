@@ -7,14 +7,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attn_backend_xla_native import BlockConfig
 from attn_backends_contracts._oracle import attention as oracle
-
-import attn_backends as ab
 
 
 def _no_locations(module: str) -> str:
@@ -38,8 +37,10 @@ def test_jit_on_this_cpu_of_an_absent_platform_raises_platform_unavailable(devic
 def test_lowering_for_a_platform_not_selected_for_names_both():
     attention = ab.Registry(only=["reference"]).get(device="cpu")
     q = jnp.ones((1, 8, 2, 16))
-    with pytest.raises(ab.PlatformUnavailableError,
-                       match=r"selected for cpu is being lowered for tpu .*device=\.\.\.\) naming tpu"):
+    with pytest.raises(
+        ab.PlatformUnavailableError,
+        match=r"selected for cpu is being lowered for tpu .*device=\.\.\.\) naming tpu",
+    ):
         jax.export.export(jax.jit(lambda q: attention(q, q, q)), platforms=["tpu"])(q)
 
 
@@ -55,7 +56,8 @@ def test_export_for_tpu_gives_xla_native_its_tpu_blocks():
     def exported(options):
         attention = registry.get(device="tpu", backend_options=options, fallback="silent")
         step = jax.jit(lambda q, k, v, b: attention(q, k, v, bias=b))
-        return _no_locations(jax.export.export(step, platforms=["tpu"])(q, q, q, bias).mlir_module())
+        exported = jax.export.export(step, platforms=["tpu"])(q, q, q, bias)
+        return _no_locations(exported.mlir_module())
 
     chosen = exported(None)
     assert chosen == exported({"xla_native": tpu})
@@ -79,7 +81,9 @@ def test_one_export_for_tpu_cuda_and_cpu_runs_here_and_matches_the_oracle():
     exported = jax.export.export(step, platforms=["tpu", "cuda", "cpu"])(q, k, v)
     assert exported.platforms == ("tpu", "cuda", "cpu")
     out = np.asarray(exported.call(q, k, v), np.float64)
-    want, _ = oracle(*(np.asarray(x, np.float64) for x in (q, k[:, :, :2], v[:, :, :2])), causal=True)
+    want, _ = oracle(
+        *(np.asarray(x, np.float64) for x in (q, k[:, :, :2], v[:, :, :2])), causal=True
+    )
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 

@@ -7,14 +7,15 @@ import json
 import time
 import warnings
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _support import Plugin, dense, make_backend, make_dist, qkv
-
-import attn_backends as ab
-from attn_backends import _attention, _certificates, _probe
+from attn_backends.choose import attention as _attention
+from attn_backends.probe import certificates as _certificates
+from attn_backends.probe import prober as _probe
 
 # A backend that claims causal but ignores it: the classic silent bug.
 IGNORES_CAUSAL = (
@@ -67,14 +68,19 @@ def test_wrong_backend_installed_as_a_distribution_is_quarantined(site):
         out = step(q, k, v)
         step(q, k, v)
     assert len(record) == 1
-    assert "served by 'reference', passing over liar: probe: out differs from the float64 oracle" in str(record[0].message)
+    assert (
+        "served by 'reference', passing over liar: probe: out differs from the float64 oracle"
+        in str(record[0].message)
+    )
     want = reg.get(device="cpu", backend="reference")(q, k, v, causal=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
     # Without causal it is right, so the same backend serves that key.
     assert att.explain(q, k, v).chosen == "liar"
     verdict = next(v for v in att.explain(q, k, v, causal=True).verdicts if v.backend == "liar")
     assert verdict.probed is True and not verdict.accepted
-    with pytest.raises(ab.UnsupportedError, match=r"backend='liar' cannot serve .*probe: out differs"):
+    with pytest.raises(
+        ab.UnsupportedError, match=r"backend='liar' cannot serve .*probe: out differs"
+    ):
         reg.get(device="cpu", backend="liar")(q, k, v, causal=True)
 
 
@@ -128,7 +134,9 @@ def test_probe_over_its_time_budget_quarantines():
     exp = reg.get(device="cpu").explain(q, k, v)
     assert time.perf_counter() - start < 1.5  # the caller does not wait for the probe
     assert exp.chosen == "reference"
-    assert exp.verdicts[0].reasons == ("probe did not finish within the 0.2 s budget (ATTN_BACKENDS_PROBE_BUDGET_S)",)
+    assert exp.verdicts[0].reasons == (
+        "probe did not finish within the 0.2 s budget (ATTN_BACKENDS_PROBE_BUDGET_S)",
+    )
 
 
 def test_timeouts_stay_in_memory_and_the_probe_thread_never_blocks_exit(isolated_cache):
@@ -149,7 +157,9 @@ def test_timeouts_stay_in_memory_and_the_probe_thread_never_blocks_exit(isolated
 
 def test_matching_certificate_counts_as_a_passed_probe():
     ran = []
-    reg = _prober_registry(lambda *a: ran.append(a) or ["wrong"], make_backend("certified", priority=9))
+    reg = _prober_registry(
+        lambda *a: ran.append(a) or ["wrong"], make_backend("certified", priority=9)
+    )
     key = _certificates.environment_key(reg.backend("certified"), "cpu")
     quick = {**key, "passed": True, "mode": "quick", "only_families": None}
     assert _certificates.store(quick) is not None
@@ -158,7 +168,9 @@ def test_matching_certificate_counts_as_a_passed_probe():
     assert len(ran) == 1
     full = {**quick, "mode": "full"}
     assert _certificates.store(full) is not None
-    reg = _prober_registry(lambda *a: ran.append(a) or ["wrong"], make_backend("certified", priority=9))
+    reg = _prober_registry(
+        lambda *a: ran.append(a) or ["wrong"], make_backend("certified", priority=9)
+    )
     assert reg.get(device="cpu").explain(q, k, v).chosen == "certified"
     assert len(ran) == 1
 

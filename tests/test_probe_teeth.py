@@ -18,11 +18,11 @@ import sys
 import pytest
 from test_conformance_teeth_mutants import _LAUNCHER, _ORDER, MUTANTS
 
-_CLI_TAIL = "from attn_backends._cli import main\nsys.exit(main(sys.argv[1:]))\n"
+_CLI_TAIL = "from attn_backends.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 _PROBE_TAIL = """
 import jax, jax.numpy as jnp
 import attn_backends as ab
-from attn_backends._probe_run import run_probe
+from attn_backends.probe.run import run_probe
 backend = ab.Registry(probe=None, only=["xla_native"]).backend("xla_native")
 S, f32 = jax.ShapeDtypeStruct, jnp.float32
 call = ab.bind(S((2, 128, 4, 32), f32), S((2, 128, 2, 32), f32), S((2, 128, 2, 32), f32),

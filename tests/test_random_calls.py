@@ -15,12 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attn_backends as ab
 import numpy as np
 import pytest
 import random_calls
-
-import attn_backends as ab
-from attn_backends import _probe
+from attn_backends.probe import prober as _probe
 
 #: Calls per process; two processes share the cache: 300 calls in all.
 CALLS = 150
@@ -33,14 +32,17 @@ def shared_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("one-cache-for-every-call")
 
 
-def test_random_calls_share_one_cache_and_no_correct_backend_is_quarantined(shared_cache, monkeypatch):
+def test_random_calls_share_one_cache_and_no_correct_backend_is_quarantined(
+    shared_cache, monkeypatch
+):
     monkeypatch.setenv("ATTN_BACKENDS_CACHE_DIR", str(shared_cache))
     env = {**os.environ, "ATTN_BACKENDS_CACHE_DIR": str(shared_cache),
            "PYTHONPATH": str(Path(__file__).parent)}
     # A second process draws other calls into the same cache at the same time.
     other = subprocess.Popen(
         [sys.executable, str(Path(__file__).parent / "random_calls.py"), "--calls", str(CALLS),
-         "--seed", "1", "--per-signature", str(PER_SIGNATURE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--seed", "1", "--per-signature", str(PER_SIGNATURE)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     attention = ab.Registry().get(device="cpu", fallback="silent")
     wrong = []
     for i, rc in enumerate(random_calls.draw_many(np.random.default_rng(0), CALLS, PER_SIGNATURE)):

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import random_calls
 from _support import Plugin, make_backend
-
-import attn_backends as ab
-from attn_backends import _probe
+from attn_backends.probe import prober as _probe
 
 #: Random calls per mutant, each of a new signature with the bug's trigger (its
 #: forced keyword): each is probed, the mutant refused, the next backend served.
@@ -78,7 +77,9 @@ def _forced(rng, force, heads):
     rc = random_calls.draw(rng, heads=heads, grad_share=0.5)
     b, tk = rc.k.shape[0], rc.k.shape[1]
     for name, value in force.items():
-        rc.kwargs[name] = rng.integers(0, tk, (b,)).astype(np.int32) if name == "kv_lengths" else value
+        rc.kwargs[name] = (
+            rng.integers(0, tk, (b,)).astype(np.int32) if name == "kv_lengths" else value
+        )
     return rc
 
 

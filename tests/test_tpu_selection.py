@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import warnings
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import pytest
 from _support import qkv
-
-import attn_backends as ab
 
 
 @pytest.fixture
@@ -56,7 +55,10 @@ def test_bias_goes_to_xla_native_with_one_warning_naming_flash_pallas(tpu_attent
         module = jax.export.export(fn, platforms=["tpu"])(q, k, v, bias).mlir_module()
         jax.export.export(fn, platforms=["tpu"])(q, k, v, bias)  # same signature: no repeat
     assert len(record) == 1
-    assert "served by 'xla_native', passing over flash_pallas: feature 'bias' not supported" in str(record[0].message)
+    assert (
+        "served by 'xla_native', passing over flash_pallas: feature 'bias' not supported"
+        in str(record[0].message)
+    )
     assert "tpu_custom_call" not in module and "attn/xla_native" in module
 
 

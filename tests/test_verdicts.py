@@ -13,15 +13,18 @@ import os
 import subprocess
 import sys
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _support import Plugin, make_backend, make_dist, qkv
-
-import attn_backends as ab
-from attn_backends import _certificates, _probe, _verdicts, oracle, tolerances
-from attn_backends._cli import main
+from attn_backends.cli.main import main
+from attn_backends.probe import certificates as _certificates
+from attn_backends.probe import oracle as oracle
+from attn_backends.probe import prober as _probe
+from attn_backends.probe import tolerances as tolerances
+from attn_backends.probe import verdicts as _verdicts
 
 S = jax.ShapeDtypeStruct
 f32 = jnp.float32
@@ -75,24 +78,30 @@ def test_a_verdict_covers_its_shape_class_and_no_other(isolated_cache):
     ]
 
 
-CAUSAL_TOP_LEFT = '''
+CAUSAL_TOP_LEFT = (
+    '''
     def attend(self, call, q, k, v, operands, options=None):
         import jax.numpy as jnp
         from attn_backend_reference._dense import dense_attention
         if call.causal:  # the bug: causal aligned top-left, wrong whenever Tq != Tk
             tri = jnp.tril(jnp.ones((call.q_len, call.kv_len), bool))[None, None]
             mask = tri if operands.mask is None else operands.mask & tri
-            call = dataclasses.replace(call, causal=False, mask_shape=(1, 1, call.q_len, call.kv_len))
-            operands = operands._replace(mask=mask)
+'''
+    "            call = dataclasses.replace("
+    "call, causal=False, mask_shape=(1, 1, call.q_len, call.kv_len))\n"
+    '''            operands = operands._replace(mask=mask)
         return dense_attention(call, q, k, v, operands)
 '''
+)
 
 
 def _rebuild_with_top_left_causal(site, module: str) -> None:
     path = site / f"{module}.py"
     src = path.read_text()
     start, end = src.index("    def attend("), src.index("@hookimpl")
-    path.write_text("import dataclasses\n" + src[:start] + CAUSAL_TOP_LEFT.lstrip("\n") + "\n" + src[end:])
+    path.write_text(
+        "import dataclasses\n" + src[:start] + CAUSAL_TOP_LEFT.lstrip("\n") + "\n" + src[end:]
+    )
 
 
 def _run(site, isolated_cache, code: str) -> subprocess.CompletedProcess:
@@ -114,7 +123,7 @@ def test_rebuilding_a_certified_backend_voids_its_certificate_and_the_probe_catc
     assert _certificates.status(backend, "cpu").counts
 
     _rebuild_with_top_left_causal(site, module)  # same name, same version, new code
-    listing = _run(site, isolated_cache, "from attn_backends._cli import main; main(['list'])")
+    listing = _run(site, isolated_cache, "from attn_backends.cli.main import main; main(['list'])")
     assert listing.returncode == 0, listing.stderr
     line = next(line for line in listing.stdout.splitlines() if line.startswith("thirdparty"))
     assert "VOID: the backend's code changed since it was certified" in line
@@ -183,7 +192,7 @@ def test_the_probe_and_the_suite_read_one_tolerance_table(monkeypatch):
     # With every tolerance at zero, float32 rounding fails the probe: it reads the table.
     strict = tolerances.Tolerance(1e-30, 0.0, "test: nothing allowed")
     monkeypatch.setattr(tolerances, "tolerance", lambda *a, **kw: strict)
-    from attn_backends import _probe_run
+    from attn_backends.probe import run as _probe_run
 
     monkeypatch.setattr(_probe_run, "tolerance", lambda *a, **kw: strict)
     exp = _real("xla_native", "reference").get(device="cpu").explain(q, k, v, causal=True)
@@ -221,7 +230,9 @@ def test_a_misspelt_hook_is_a_load_problem_naming_the_distribution(site):
     path = site / f"{module}.py"
     path.write_text(path.read_text().replace("def attn_backends_register():",
                                              "def attn_backend_register():"))
-    with pytest.warns(ab.PluginWarning, match=r"attn-backend-typo.*unknown hook\(s\) attn_backend_register"):
+    with pytest.warns(
+        ab.PluginWarning, match=r"attn-backend-typo.*unknown hook\(s\) attn_backend_register"
+    ):
         reg = _real("typo")
         assert reg.backends == {}
     assert any("attn_backend_register" in str(p) for p in reg.problems)
@@ -239,6 +250,8 @@ def test_core_refuses_a_feature_the_manifest_does_not_claim_before_attend_runs()
     q, k, v = qkv()
     mask = jnp.ones((2, 1, 8, 8), bool)
     call, ops = ab.bind(q, k, v, mask=mask)
-    with pytest.raises(ab.UnsupportedError, match=r"backend 'nomask' cannot serve .*feature 'mask' not supported"):
-        att.run_backend(backend, call, q, k, v, ops)
+    with pytest.raises(
+        ab.UnsupportedError, match=r"backend 'nomask' cannot serve .*feature 'mask' not supported"
+    ):
+        att.served(backend)(call, q, k, v, ops)
     assert ran == []

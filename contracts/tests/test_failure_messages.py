@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from attn_backends import Backend, Capabilities, UnsupportedError
 from attn_backends_contracts import run_check
 from attn_backends_contracts._runner import Outcome
-from attn_backends_contracts.tolerances import Tolerance, normalised_error
+from attn_backends_contracts.tolerances import Tolerance, compare, normalised_error
 
 
 def _dense(call: Any, q: Any, k: Any, v: Any) -> Any:
@@ -57,18 +56,27 @@ def test_suite_failure_says_nan_not_shape_mismatch(tmp_path: Any) -> None:
         assert "shape mismatch" not in failure["message"], failure
 
 
-def _outcome(actual: np.ndarray, expected: np.ndarray) -> Outcome:
-    error = normalised_error(actual, expected, Tolerance(1e-5, 3e-3, "test"))
+_TOL = Tolerance(1e-5, 3e-3, "test")
+
+
+def _outcome(name: str, actual: np.ndarray, expected: np.ndarray) -> Outcome:
+    """An Outcome as the runner builds it: errors and mismatches from core's comparison."""
+    wrong = compare(name, actual, expected, _TOL)
     return Outcome(case=None,  # type: ignore[arg-type]
-                   actual={"out": actual}, expected={"out": expected}, errors={"out": error})
+                   actual={name: actual}, expected={name: expected},
+                   errors={name: normalised_error(actual, expected, _TOL)},
+                   mismatches={} if wrong is None else {name: wrong})
 
 
 @pytest.mark.parametrize(
     ("change", "says"),
     [
-        (lambda x: x + 0.5, "x tolerance (finite: max |actual - oracle| = 0.5)"),
+        (lambda x: x + 0.5, "out differs from the float64 oracle by 5e+04x its tolerance at "
+                            "(0, 0): got 0.5, want 0, allowed 1e-05 + 0.003 x 0 (|want|); "
+                            "max |got - want| = 0.5"),
         (lambda x: np.where(x > 0.5, np.nan, x), "out has 2 NaN and 0 Inf values where the "
-                                                 "oracle is finite (of 4)"),
+                                                 "oracle is finite (of 4), the first at (0, 1): "
+                                                 "got nan, want 1"),
         (lambda x: np.where(x > 0.5, -np.inf, x), "out has 0 NaN and 2 Inf values"),
         (lambda x: x[:, :1], "out has shape [2, 1], expected [2, 2]"),
     ],
@@ -76,12 +84,21 @@ def _outcome(actual: np.ndarray, expected: np.ndarray) -> Outcome:
 )
 def test_outcome_describes_each_cause(change: Any, says: str) -> None:
     expected = np.array([[0.0, 1.0], [1.0, 0.0]])
-    text = _outcome(change(expected), expected).describe(("out",))
+    outcome = _outcome("out", change(expected), expected)
+    assert outcome.failed(("out", "lse")) == ("out",)
+    text = outcome.describe(("out",))
     assert text.startswith("out ") and says in text, text
 
 
 def test_outcome_describes_a_missing_minus_inf_lse() -> None:
-    expected = np.array([-np.inf, 1.0])
-    outcome = Outcome(case=None, actual={"lse": np.array([0.0, 1.0])},  # type: ignore[arg-type]
-                      expected={"lse": expected}, errors={"lse": float("inf")})
-    assert "differ from the oracle's non-finite ones" in outcome.describe(("lse",))
+    outcome = _outcome("lse", np.array([0.0, 1.0]), np.array([-np.inf, 1.0]))
+    assert outcome.errors["lse"] == float("inf")
+    text = outcome.describe(("lse",))
+    assert "differ from the oracle's non-finite ones" in text and "got 0, want -inf" in text
+
+
+def test_outcome_of_an_agreeing_output_has_no_mismatch() -> None:
+    expected = np.array([[0.0, 1.0], [1.0, 0.0]])
+    outcome = _outcome("out", expected + 1e-6, expected)
+    assert outcome.failed(("out",)) == () and outcome.describe(("out",)) == ""
+    assert 0 < outcome.errors["out"] <= 1

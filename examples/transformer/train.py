@@ -23,14 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import attn_backends
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
-
-import attn_backends
 from attn_backends.flax import attention_fn
+from flax import nnx
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus.txt")
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import re
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-import attn_backends as ab
 
 
 def _functions(text: str) -> dict[str, str]:

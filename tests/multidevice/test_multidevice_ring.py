@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attn_backends.parallel.ring_run import _zigzag_perms
 from attn_backends_contracts._oracle import attention as oracle
 from attn_backends_contracts._oracle import attention_vjp as oracle_vjp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-import attn_backends as ab
-from attn_backends._ring_run import _zigzag_perms
 
 SPEC = P("dp", "sp", None, None)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +11,6 @@ from attn_backends_contracts._oracle import attention as oracle
 from attn_backends_contracts._oracle import attention_vjp as oracle_vjp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-import attn_backends as ab
 
 SPEC = P("dp", None, "tp", None)
 # Batch over dp, heads over tp; GQA 8 query heads on 4 kv heads (2 per tp shard).

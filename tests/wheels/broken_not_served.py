@@ -9,11 +9,10 @@ import sys
 import warnings
 from pathlib import Path
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import attn_backends as ab
 
 assert "reference" not in ab.registry.backends, "this check is for an install without reference"
 assert {"broken", "xla_native"} <= set(ab.registry.backends), sorted(ab.registry.backends)

@@ -5,12 +5,11 @@ Run by run.sh in the full install's venv. The repo's tests/test_flax.py and
 test_flax_nnx.py are the complete checks; this one shows the installed wheel works.
 """
 
+import attn_backends
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import attn_backends
 from attn_backends.flax import attention_fn
 
 heads, features, t = 4, 32, 9
@@ -33,7 +32,7 @@ grad = jax.grad(loss, has_aux=True, argnums=1)
 (want_grads, want), (got_grads, got) = grad(theirs, params), grad(mine, params)
 error = float(jnp.max(jnp.abs(got - want)))
 grad_error = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-                 zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)))
+                 zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True))
 assert error < 2e-6 and grad_error < 1e-4, (error, grad_error)
 
 steps = {}

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import sys
 
+import attn_backends
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import attn_backends
 
 q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.float32)
            for i, shape in enumerate([(2, 96, 8, 32), (2, 96, 2, 32), (2, 96, 2, 32)]))

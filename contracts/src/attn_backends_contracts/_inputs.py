@@ -1,7 +1,8 @@
 """The arrays of a case: deterministic in its family and name.
 
-Kept apart from the case tables (``cases``), which hold data and the rules
-that pick cases for a manifest.
+Kept apart from the case tables (``cases``, which hold data and the rules
+that pick cases for a manifest, and re-export :func:`make_inputs`). Both take
+:class:`Case` from :mod:`._case`; this module imports nothing of ``cases``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .cases import GARBAGE, Case
+from ._case import GARBAGE, Case
 
 
 def _rng(case: Case, salt: str = "") -> np.random.Generator:

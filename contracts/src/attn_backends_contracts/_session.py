@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from .cases import Case, cases_for
+from .cases import Case, cases_for, make_inputs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -144,8 +144,6 @@ class Suite:
     def _call(self, case: Case) -> Any:
         import attn_backends
 
-        from .cases import make_inputs
-
         data = make_inputs(case)
         call, _ = attn_backends.bind(data["q"], data["k"], data["v"],
                                      return_lse=case.return_lse, **data["kwargs"])
@@ -210,7 +208,7 @@ class Suite:
                                     platform=self.platform)
             except Exception as exc:  # noqa: BLE001 - re-raised by every test of its case
                 results = [exc] if len(batch) == 1 else [self._alone(c) for c in batch]
-            for c, result in zip(batch, results):
+            for c, result in zip(batch, results, strict=True):
                 self._outcomes[c.id] = result
         result = self._outcomes[case.id]
         if isinstance(result, Exception):

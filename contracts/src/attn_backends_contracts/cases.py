@@ -25,76 +25,13 @@ sees), the optional operands, and the cotangents for the gradient check.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-#: Values written at invisible key positions for ``inputs="garbage"``: finite
-#: (float16 max is 65504) and large, so a backend that lets them leak shows.
-GARBAGE = 3.0e4
-
-
-@dataclass(frozen=True)
-class Case:
-    """One attention call of the suite.
-
-    ``head_dim`` / ``v_head_dim`` None mean "the backend's base head dim".
-    ``segments``: "packed" (per-example random packing) or "disjoint" (some
-    query rows share no id with any key). ``mask`` / ``bias``: "full"
-    ``[B,Hq,Tq,Tk]``, "shared" ``[1,1,..]``, "per_batch" ``[B,1,..]``,
-    "per_head" ``[1,Hq,..]``, or for mask "empty_rows" (full, some rows all
-    False). ``inputs``: "normal", "large" (q, k scaled by 1e3), "equal" (every
-    key identical: equal logits), "garbage" (invisible keys hold ``GARBAGE``).
-    ``lse``: request ``return_lse`` when the backend claims it (the
-    ``return_lse`` feature itself is ``return_lse``). ``tiles``: run under the
-    backend's ``tile_small_options(call)`` instead of its default options.
-    """
-
-    name: str
-    family: str
-    batch: int = 1
-    q_len: int = 17
-    kv_len: int = 17
-    q_heads: int = 2
-    kv_heads: int = 2
-    head_dim: int | None = None
-    v_head_dim: int | None = None
-    dtype: str = "float32"
-    scale: float | None = None
-    causal: bool = False
-    window: tuple[int | None, int | None] | None = None
-    segments: str | None = None
-    q_lengths: tuple[int, ...] | None = None
-    kv_lengths: tuple[int, ...] | None = None
-    mask: str | None = None
-    bias: str | None = None
-    bias_dtype: str | None = None
-    softcap: float | None = None
-    return_lse: bool = False
-    lse: bool = False
-    inputs: str = "normal"
-    quick: bool = False
-    tiles: bool = False
-
-    @property
-    def id(self) -> str:
-        """Test id: ``family-name-dtype``, then ``-tiles`` for a tiles twin."""
-        return f"{self.family}-{self.name}-{self.dtype}" + ("-tiles" if self.tiles else "")
-
-    @property
-    def features(self) -> frozenset[str]:
-        """The contract features (``attn_backends.FEATURES``) this case needs."""
-        used = {
-            "gqa": self.q_heads != self.kv_heads,
-            "causal": self.causal,
-            "window": self.window is not None,
-            "segment_ids": self.segments is not None,
-            "lengths": self.q_lengths is not None or self.kv_lengths is not None,
-            "mask": self.mask is not None,
-            "bias": self.bias is not None,
-            "softcap": self.softcap is not None,
-            "return_lse": self.return_lse,
-        }
-        return frozenset(f for f, on in used.items() if on)
+# Re-exported: a case, the garbage value and the arrays of a case, beside the tables.
+from ._case import GARBAGE as GARBAGE
+from ._case import Case
+from ._inputs import make_inputs as make_inputs
 
 
 def _c(family: str, name: str, **kw: Any) -> Case:
@@ -324,13 +261,6 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
         if case.features <= caps.features:
             out.append(case)
     return out
-
-
-def make_inputs(case: Case) -> dict[str, Any]:
-    """Arrays of ``case``; deterministic in its family and name (see :mod:`._inputs`)."""
-    from ._inputs import make_inputs as make
-
-    return make(case)
 
 
 #: Per feature, what a small call adds to use it (unclaimed, masking-effect tests).

@@ -154,7 +154,8 @@ class _Recorder:
         suite = self.config.stash.get(_key(), None)
         if suite is not None:
             # Only the numeric tests take attn_case; each asks for its case's outcome.
-            params = (getattr(getattr(item, "callspec", None), "params", {}) for item in session.items)
+            params = (getattr(getattr(item, "callspec", None), "params", {})
+                      for item in session.items)
             suite.plan([p["attn_case"] for p in params if "attn_case" in p])
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

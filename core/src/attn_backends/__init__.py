@@ -1,12 +1,18 @@
 """attn-backends: swappable, provable JAX attention.
 
-Public surface only; the implementation lives in private modules.
+Public surface only; the implementation lives in the layer packages (``contract``,
+``choose``, ``probe``, ``parallel``, ``cli``), lowest first.
 """
 
-from ._backend import Backend
-from ._capabilities import DTYPES, PLATFORMS, Capabilities, HeadDims
-from ._contract import API_VERSION, FEATURES, AttentionCall, Operands, bind
-from ._errors import (
+from ._wiring import Registry, registry
+from .choose.attention import Attention
+from .choose.discovery import LoadProblem, Origin
+from .choose.select import Explanation, Verdict, select
+from .contract.backend import ENTRY_POINT_GROUP, Backend, hookimpl
+from .contract.call import API_VERSION, FEATURES, AttentionCall, Operands, bind
+from .contract.capabilities import DTYPES, PLATFORMS, Capabilities, HeadDims
+from .contract.environment import env_flag, platform_name
+from .contract.errors import (
     AttnBackendsError,
     AttnBackendsWarning,
     FallbackWarning,
@@ -18,16 +24,6 @@ from ._errors import (
     UnknownBackendError,
     UnsupportedError,
 )
-from ._attention import Attention
-from ._discovery import LoadProblem, Origin
-from ._environment import env_flag
-from ._hookspec import ENTRY_POINT_GROUP, hookimpl
-from ._platform import platform_name
-from ._registry import Registry
-from ._select import Explanation, Verdict, select
-
-#: The process-wide registry: ``attn_backends.registry.get(device="tpu")``.
-registry = Registry()
 
 __all__ = [
     "API_VERSION",

@@ -1,6 +1,6 @@
 """Conformance certificates, public: what the conformance suite (a separate
 distribution) needs from core to write one, and what ``attn-backends list``
-reads back (docs/DESIGN.md, section 5).
+reads back; it belongs to the judging layer, docs/DESIGN.md, section 5).
 
 - :func:`environment_key`: the fields a certificate is stored under (backend,
   versions, platform, device kind) and the code digests it must match;
@@ -9,6 +9,6 @@ reads back (docs/DESIGN.md, section 5).
   or why none does.
 """
 
-from ._certificates import KEY_FIELDS, CertificateStatus, environment_key, status, store
+from .probe.certificates import KEY_FIELDS, CertificateStatus, environment_key, status, store
 
 __all__ = ["KEY_FIELDS", "CertificateStatus", "environment_key", "status", "store"]

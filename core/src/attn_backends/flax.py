@@ -61,7 +61,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._attention import Attention
+from .choose.attention import Attention
 
 __all__ = ["FlaxAttention", "attention_fn"]
 
@@ -159,7 +159,7 @@ def attention_fn(attention: Attention | None = None, **get_kwargs: Any) -> FlaxA
     (``attention_fn(device="tpu", prefer=["flash_pallas"])``), not both.
     """
     if attention is None:
-        from . import registry
+        from ._wiring import registry
 
         attention = registry.get(**get_kwargs)
     elif get_kwargs:

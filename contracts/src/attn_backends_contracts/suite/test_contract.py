@@ -3,12 +3,11 @@ the output dtype is q's.
 
 Unclaimed features, dtypes, platforms, head dims and gradients must raise
 ``attn_backends.UnsupportedError`` through the registry (strict
-``backend=NAME``). Unclaimed *features* must also raise when the backend's
-``attend`` is called directly: the registry filters by manifest first, so only
-this catches a backend that would silently compute a call with a feature it
-ignores (a mask it drops gives a wrong number, not an error). Dtypes, head
-dims and platforms are gated by the registry alone, since ``attend`` never
-sees a call its manifest excludes.
+``backend=NAME``). The backend's ``attend`` is not called directly and need
+not raise: core refuses a call that uses a feature, dtype or head dim the
+manifest does not claim before ``attend`` runs (docs/DESIGN.md, sections 3-4),
+so a backend is never handed a mask it would silently drop, and keeps no
+copy of that rule.
 """
 
 from __future__ import annotations

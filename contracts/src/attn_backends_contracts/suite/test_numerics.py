@@ -27,7 +27,7 @@ def test_forward(attn_suite: Any, attn_case: Any) -> None:
     outcome = attn_suite.outcome(attn_case)
     names = tuple(n for n in ("out", "lse") if n in outcome.errors)
     attn_suite.note_errors(attn_case.dtype, {n: outcome.errors[n] for n in names})
-    bad = tuple(n for n in names if not outcome.errors[n] <= 1.0)
+    bad = outcome.failed(names)
     assert not bad, f"{attn_case.id}: {outcome.describe(bad)}"
     out = outcome.actual["out"].transpose(0, 2, 1, 3)  # [B, Hq, Tq, Dv]
     empty = out[outcome.empty_rows]
@@ -44,12 +44,11 @@ def test_gradients(attn_suite: Any, attn_case: Any) -> None:
     _skip_declined(attn_suite, attn_case)
     outcome = attn_suite.outcome(attn_case)
     names = tuple(n for n in ("dq", "dk", "dv", "dbias") if n in outcome.errors)
-    if attn_case.inputs in tolerances.GRADIENT_FINITE_ONLY_INPUTS:
-        # Ill-conditioned in float32 for flash-style backward passes: see
-        # tolerances.GRADIENT_FINITE_ONLY_INPUTS for the written reason.
-        infinite = tuple(n for n in names if not np.isfinite(outcome.actual[n]).all())
-        assert not infinite, f"{attn_case.id}: non-finite gradients {infinite}"
-        return
-    attn_suite.note_errors(attn_case.dtype, {n: outcome.errors[n] for n in names})
-    bad = tuple(n for n in names if not outcome.errors[n] <= 1.0)
+    # Cases of tolerances.GRADIENT_FINITE_ONLY_INPUTS (ill-conditioned in
+    # float32 for flash-style backward passes; the written reason is there)
+    # have their gradients compared for shape and finiteness only, and their
+    # errors left out of the worst-error summary.
+    if attn_case.inputs not in tolerances.GRADIENT_FINITE_ONLY_INPUTS:
+        attn_suite.note_errors(attn_case.dtype, {n: outcome.errors[n] for n in names})
+    bad = outcome.failed(names)
     assert not bad, f"{attn_case.id}: {outcome.describe(bad)}"

@@ -1,0 +1,71 @@
+"""The public :class:`Registry`: the choosing layer's registry wired to the layers
+above it, and the process-wide ``registry``.
+
+Selection cannot import the prober or the parallel layer (they sit above it), so
+they are handed to it here, each loaded on first use: ``import attn_backends``
+loads neither (docs/DESIGN.md, "Core's layers").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .choose import registry as choosing
+from .choose.registry import Lazy
+from .choose.select import Probe
+
+if TYPE_CHECKING:
+    from .choose.attention import ParallelLayer
+
+
+def core_prober() -> Probe:
+    """Core's prober (float64 oracle, verdicts cached on disk), built on first use."""
+    from .probe.prober import Prober
+
+    return Prober()
+
+
+def parallel_layer() -> ParallelLayer:
+    """``attn_backends.parallel``, imported when a call first needs it."""
+    from . import parallel
+
+    return parallel
+
+
+class Registry(choosing.Registry):
+    """Installed backends, loaded lazily, and the entry point for selection.
+
+    ``plugins`` are in-process plugin objects (modules or instances holding
+    ``@hookimpl`` functions), registered besides the entry points. Settings
+    left as None come from the ``ATTN_BACKENDS_*`` environment variables when
+    discovery runs. ``probe`` is "auto" (compare each backend with core's
+    float64 oracle once per verdict key, cached on disk: docs/DESIGN.md,
+    "Probes"), None (no probes) or a callable
+    ``probe(backend, call, platform, options) -> reasons``. Sharded inputs and
+    ``get(mesh=, spec=, sequence_axis=)`` are served by the parallel layer.
+    """
+
+    def __init__(
+        self,
+        *,
+        plugins: Sequence[object] = (),
+        autoload: bool | None = None,
+        strict: bool | None = None,
+        only: Sequence[str] | None = None,
+        disable: Sequence[str] | None = None,
+        probe: Probe | None | str = "auto",
+    ):
+        if isinstance(probe, str):
+            if probe != "auto":
+                raise ValueError(
+                    f"probe: expected 'auto', None or a callable "
+                    f"probe(backend, call, platform, options), got {probe!r}"
+                )
+            probe = Lazy(core_prober)
+        super().__init__(plugins=plugins, autoload=autoload, strict=strict, only=only,
+                         disable=disable, probe=probe, parallel=parallel_layer)
+
+
+#: The process-wide registry: ``attn_backends.registry.get(device="tpu")``.
+registry = Registry()

@@ -1,0 +1,307 @@
+"""The callable model code uses: ``attention(q, k, v, ...)`` per docs/DESIGN.md, section 2.
+
+A single-device call is a straight line: :func:`bind`, selection (once per call
+signature, cached), :class:`Served`. An input laid out on a mesh, or an attention
+got with ``mesh=``, ``spec=`` or ``sequence_axis=``, is handed to the parallel
+layer, which sits above this one: it arrives as a loader (``parallel``) and gets
+back from here only :class:`SingleDevice`, the callables it needs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+
+from ..contract.backend import Backend
+from ..contract.call import AttentionCall, Operands, bind
+from ..contract.errors import (
+    FallbackWarning,
+    NoBackendError,
+    PlatformUnavailableError,
+    UnsupportedError,
+    warn,
+)
+from .discovery import Origin
+from .dispatch import Served, empty_result, unavailable_message
+from .select import Explanation, Probe, select
+
+#: Distinct call signatures one Attention remembers; older ones are evicted.
+SELECTION_CACHE_SIZE = 512
+
+
+@dataclass(frozen=True)
+class SingleDevice:
+    """The single-device selection the parallel layer wraps, as callables.
+
+    - ``platforms``: the platforms this attention serves (the first is its own);
+    - ``explain(call, call_for=None, *, calls_for=None, reasons_for=None)``: every
+      backend's verdict (:func:`select`'s judging arguments);
+    - ``choose(call, key, explain)``: the backend for ``call`` under the extra
+      cache ``key`` (a layout), running ``explain()`` and the fallback policy on
+      first sight only;
+    - ``served(backend)``: that backend bound as core calls every backend;
+    - ``backend(name)``: a registered backend by name.
+    """
+
+    platforms: tuple[str, ...]
+    explain: Callable[..., Explanation]
+    choose: Callable[[AttentionCall, Hashable, Callable[[], Explanation]], Backend]
+    served: Callable[[Backend], Served]
+    backend: Callable[[str], Backend]
+
+
+class Backends(Protocol):
+    """What an Attention reads of its registry (:class:`~attn_backends.Registry`)."""
+
+    backends: dict[str, Backend]
+    origins: dict[str, Origin]
+    probe: Probe | None
+    #: Bumped on every reload, so selections made before it are dropped.
+    generation: int
+
+    def backend(self, name: str) -> Backend: ...
+
+
+class ParallelLayer(Protocol):
+    """What the choosing layer calls in the parallel layer (``attn_backends.parallel``)."""
+
+    def request(self, mesh: Any, spec: Any, sequence_axis: str | None,
+                ring_block: int | None) -> Hashable: ...
+
+    def run(self, single: SingleDevice, request: Hashable | None, call: AttentionCall,
+            q: Any, k: Any, v: Any, operands: Operands) -> Any: ...
+
+    def explain(self, single: SingleDevice, request: Hashable | None, call: AttentionCall,
+                q: Any, k: Any, v: Any) -> Explanation: ...
+
+
+def sharding_of(x: Any) -> Any:
+    """The sharding of a concrete array, ShapeDtypeStruct or (under jit) tracer, or None."""
+    if isinstance(x, jax.core.Tracer):
+        try:
+            return jax.typeof(x).sharding
+        except Exception:  # noqa: BLE001 - an aval without sharding: nothing to learn
+            return None
+    return getattr(x, "sharding", None)
+
+
+def is_sharded(x: Any) -> bool:
+    """Whether ``x`` is laid out over mesh axes (a spec naming one, or a sharding that
+    is neither single-device nor fully replicated): such a call is the parallel layer's."""
+    sharding = sharding_of(x)
+    if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return False
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return not sharding.mesh.empty and any(entry is not None for entry in sharding.spec)
+    return not getattr(sharding, "is_fully_replicated", False)
+
+
+class Attention:
+    """Attention bound to a platform and a selection policy; get it from ``registry.get``.
+
+    ``attention(q, k, v, *, scale=None, causal=False, window=None,
+    segment_ids=None, q_lengths=None, kv_lengths=None, mask=None, bias=None,
+    softcap=None, return_lse=False)`` with q ``[B, Tq, Hq, D]``, k
+    ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` returns out ``[B, Tq, Hq, Dv]``
+    (and lse ``[B, Hq, Tq]`` float32 with ``return_lse=True``). Selection
+    runs once per call signature, at trace time under ``jit``; the selected
+    backend is lowered only for its platform (``platforms``: one, or several
+    for a program exported for each). Inputs sharded on a mesh (or a
+    ``sharding`` request from ``registry.get(mesh=, spec=, sequence_axis=)``)
+    go to the parallel layer: per device, or ring attention when the sequence
+    is sharded (docs/MANY_CHIPS.md).
+    """
+
+    def __init__(
+        self,
+        registry: Backends,
+        *,
+        platforms: tuple[tuple[str, bool], ...],
+        backend: str | None,
+        prefer: tuple[str, ...],
+        fallback: str,
+        backend_options: dict[str, Any],
+        sharding: Hashable | None = None,
+        parallel: Callable[[], ParallelLayer] | None = None,
+    ):
+        self.registry = registry
+        #: (platform, present here) per platform served; ``platform`` is the first.
+        self.platforms = platforms
+        self.platform, self.present = platforms[0]
+        self.backend_name = backend
+        self.prefer = prefer
+        self.fallback = fallback
+        self.backend_options = backend_options
+        #: The parallel layer's request (None: lay out by the inputs' own sharding).
+        self.sharding = sharding
+        self._parallel = parallel
+        # Keyed by the registry's generation too, so a reload or register()
+        # is seen by Attention objects made before it.
+        self._selections: OrderedDict[tuple[int, str, AttentionCall, Hashable], Backend] = (
+            OrderedDict()
+        )
+        self._lock = threading.Lock()
+        # Held while a new signature is selected, so threads tracing the same
+        # signature at once select, probe and warn once (others wait for it).
+        self._selecting = threading.RLock()
+
+    def __repr__(self) -> str:
+        pinned = f" backend={self.backend_name!r}" if self.backend_name else ""
+        where = "/".join(p for p, _ in self.platforms)
+        return f"<Attention platform={where!r}{pinned} fallback={self.fallback!r}>"
+
+    def explain_call(
+        self, call: AttentionCall, call_for: Callable[[Backend], AttentionCall] | None = None,
+        platform: str | None = None, **judging: Any,
+    ) -> Explanation:
+        """Verdicts for an already-bound call on ``platform`` (default: the first
+        platform; ``call_for`` and ``judging`` (``calls_for``, ``reasons_for``): see
+        :func:`select`)."""
+        platform = self.platform if platform is None else platform
+        backends = self.registry.backends
+        if self.backend_name is not None:
+            backends = {self.backend_name: self.registry.backend(self.backend_name)}
+        origins = self.registry.origins
+        return select(
+            call,
+            platform,
+            list(backends.values()),
+            jax_version=jax.__version__,
+            present=dict(self.platforms)[platform],
+            prefer=self.prefer,
+            distributions={name: origin.distribution for name, origin in origins.items()},
+            probe=self.registry.probe,
+            call_for=call_for,
+            options=self.backend_options,
+            **judging,
+        )
+
+    def explain(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Explanation:
+        """Every backend's verdict for this call; arrays or ``jax.ShapeDtypeStruct``s."""
+        call, _ = bind(q, k, v, **kwargs)
+        if self._goes_parallel(q):
+            return self._parallel_layer().explain(self._single_device(), self.sharding,
+                                                  call, q, k, v)
+        return self.explain_call(call)
+
+    def backend_for(self, call: AttentionCall, platform: str | None = None) -> Backend:
+        """The backend serving ``call`` on ``platform`` (default: the first),
+        selecting on first sight."""
+        platform = self.platform if platform is None else platform
+        return self._choose(call, None, lambda: self.explain_call(call, platform=platform),
+                            platform)
+
+    def _choose(self, call: AttentionCall, key: Hashable, explain: Callable[[], Explanation],
+                platform: str | None = None) -> Backend:
+        platform = self.platform if platform is None else platform
+        cache_key = (self.registry.generation, platform, call, key)
+        cached = self._cached(cache_key)
+        if cached is not None:
+            return cached
+        with self._selecting:
+            cached = self._cached(cache_key)
+            if cached is not None:
+                return cached
+            chosen = self._apply_policy(call, explain(), platform)
+            with self._lock:
+                self._selections[cache_key] = chosen
+                while len(self._selections) > SELECTION_CACHE_SIZE:
+                    self._selections.popitem(last=False)
+        return chosen
+
+    def _cached(self, key: tuple[int, str, AttentionCall, Hashable]) -> Backend | None:
+        with self._lock:
+            cached = self._selections.get(key)
+            if cached is not None:
+                self._selections.move_to_end(key)
+            return cached
+
+    def _apply_policy(self, call: AttentionCall, explanation: Explanation,
+                      platform: str) -> Backend:
+        if explanation.chosen is None:
+            reasons = {v.backend: list(v.reasons) for v in explanation.verdicts}
+            if self.backend_name is not None:
+                raise UnsupportedError(
+                    f"backend={self.backend_name!r} cannot serve {call.describe()} on "
+                    f"{platform}: " + "; ".join(reasons.get(self.backend_name, []))
+                )
+            raise NoBackendError(
+                f"no backend can serve {call.describe()} on {platform}:", reasons
+            )
+        passed = explanation.passed_over
+        if passed and self.fallback != "silent":
+            detail = "; ".join(f"{v.backend}: {', '.join(v.reasons)}" for v in passed)
+            message = (
+                f"attention {call.describe()} on {platform} is served by "
+                f"{explanation.chosen!r}, passing over {detail}"
+            )
+            if self.fallback == "error":
+                raise UnsupportedError(message + " (fallback='error')")
+            warn(message, FallbackWarning)
+        return self.registry.backend(explanation.chosen)
+
+    def __call__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        *,
+        scale: float | None = None,
+        causal: bool = False,
+        window: tuple[int | None, int | None] | None = None,
+        segment_ids: tuple[Any, Any] | None = None,
+        q_lengths: Any = None,
+        kv_lengths: Any = None,
+        mask: Any = None,
+        bias: Any = None,
+        softcap: float | None = None,
+        return_lse: bool = False,
+    ) -> Any:
+        call, operands = bind(
+            q, k, v, scale=scale, causal=causal, window=window, segment_ids=segment_ids,
+            q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, bias=bias,
+            softcap=softcap, return_lse=return_lse,
+        )
+        if call.is_empty:
+            with jax.named_scope("attn/empty"):
+                return empty_result(call, q)
+        if not any(present for _, present in self.platforms) and not isinstance(
+            q, jax.core.Tracer
+        ):
+            raise PlatformUnavailableError(unavailable_message([p for p, _ in self.platforms]))
+        if self._goes_parallel(q):
+            return self._parallel_layer().run(self._single_device(), self.sharding,
+                                              call, q, k, v, operands)
+        served = {p: self.backend_for(call, platform=p) for p, _ in self.platforms}
+        return Served.of(served, self.backend_options)(call, q, k, v, operands)
+
+    def served(self, backend: Backend) -> Served:
+        """``backend`` bound to this attention's platform and options, as core calls it."""
+        return Served.of({self.platform: backend}, self.backend_options)
+
+    def _goes_parallel(self, q: Any) -> bool:
+        # q decides: k and v must share its layout, which the parallel layer checks.
+        return self.sharding is not None or is_sharded(q)
+
+    def _parallel_layer(self) -> ParallelLayer:
+        if self._parallel is None:
+            raise UnsupportedError(
+                "q is sharded over mesh axes, and this registry was made without the "
+                "parallel layer: use attn_backends.Registry (or attn_backends.registry), "
+                "which serves sharded and ring attention"
+            )
+        return self._parallel()
+
+    def _single_device(self) -> SingleDevice:
+        return SingleDevice(
+            platforms=tuple(p for p, _ in self.platforms),
+            explain=self.explain_call,
+            choose=self._choose,
+            served=self.served,
+            backend=self.registry.backend,
+        )

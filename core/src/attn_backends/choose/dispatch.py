@@ -1,0 +1,192 @@
+"""Running a backend only on the platform it was selected for.
+
+Selection happens at trace time, but JAX learns the platform a program runs on
+only when it lowers it (``jax.jit`` for the local devices, ``jax.export`` for
+the listed ones). So every backend call goes through
+``jax.lax.platform_dependent``: the backend selected for a platform is the
+branch of that platform's lowering names, and every other lowering gets a
+placeholder whose one primitive refuses to lower, raising
+:class:`PlatformUnavailableError`. Lowering for one platform lowers only its
+own branch, so a single-platform program is the backend's code alone; an
+export for several platforms carries one branch per platform, and a Pallas
+kernel (which has no lowering off its platform) can be one of them only when
+the export leaves out the platforms it cannot lower for.
+
+The gradient guards and the empty-call result are here too: every path that
+calls a backend runs them through :class:`Served`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..contract.backend import Backend
+from ..contract.call import AttentionCall, Operands
+from ..contract.environment import LOWERING_NAMES, platform_name, visible_platforms
+from ..contract.errors import PlatformUnavailableError, UnsupportedError
+
+
+def unavailable_message(selected: Sequence[str], lowering: Sequence[str] = ()) -> str:
+    """Why attention selected for ``selected`` cannot run (or lower) for ``lowering``."""
+    visible = visible_platforms()
+    absent = [p for p in selected if p not in visible]
+    if len(selected) == 1 and absent:
+        platform = selected[0]
+        return (
+            f"device={platform!r}: JAX sees no {platform} here (visible: "
+            f"{', '.join(visible) or 'none'}). Selection for an absent platform serves "
+            "ahead-of-time export only: trace it with "
+            f"jax.export.export(jax.jit(f), platforms=[{platform!r}])."
+        )
+    targets = sorted({platform_name(p) for p in lowering}) or ["?"]
+    return (
+        f"attention selected for {', '.join(selected)} is being lowered for "
+        f"{', '.join(targets)} (JAX sees: {', '.join(visible) or 'none'}); a backend is "
+        "lowered only for the platform it was selected for: get the attention with "
+        f"registry.get(device=...) naming {' and '.join(targets)} too."
+    )
+
+
+def _refuse_to_lower(ctx: Any, x: Any, *, selected: tuple[str, ...]) -> Any:
+    raise PlatformUnavailableError(unavailable_message(selected, ctx.module_context.platforms))
+
+
+def _refuse_to_run(x: Any, *, selected: tuple[str, ...]) -> Any:
+    raise PlatformUnavailableError(unavailable_message(selected))
+
+
+@functools.cache
+def _unavailable() -> Any:
+    """Identity on its operand that refuses to lower (or run): the placeholder of
+    platforms no backend was selected for. Built on first use: ``jax.extend``
+    imports much of JAX (Pallas included), which ``import attn_backends`` must not."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    primitive = Primitive("attn_backends_platform_unavailable")
+    primitive.def_abstract_eval(lambda x, *, selected: x)
+    primitive.def_impl(_refuse_to_run)
+    mlir.register_lowering(primitive, _refuse_to_lower)
+    return primitive
+
+
+def on_platforms(
+    branches: Mapping[str, Callable[..., Any]],
+    placeholder: Callable[..., Any],
+    *args: Any,
+) -> Any:
+    """``branches[p](*args)`` when lowered for platform ``p`` (cpu, gpu or tpu).
+
+    Lowering for a platform without a branch raises PlatformUnavailableError.
+    ``placeholder(*args)`` returns arrays typed as every branch's result (it
+    is traced, never run).
+    """
+    selected = tuple(sorted(branches))
+
+    def unavailable(*args: Any) -> Any:
+        unavailable_p = _unavailable()
+        return jax.tree.map(lambda x: unavailable_p.bind(x, selected=selected), placeholder(*args))
+
+    by_lowering = {name: fn for p, fn in branches.items() for name in LOWERING_NAMES[p]}
+    return jax.lax.platform_dependent(*args, default=unavailable, **by_lowering)
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """``served(call, q, k, v, operands)``: the backend selected for each platform,
+    called as core always calls one.
+
+    ``backends`` pairs each platform with its selected backend, ``options``
+    each backend name with its ``backend_options`` entry. Per platform: the
+    manifest refusal (:func:`refuse_unclaimed`), the gradient guards, the
+    ``attn/<name>`` named scope, and ``attend`` with ``call.platform`` set to
+    that platform, inside :func:`on_platforms`. The single-device, sharded and
+    ring paths all call backends through this one object.
+    """
+
+    backends: tuple[tuple[str, Backend], ...]
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, backends: Mapping[str, Backend], options: Mapping[str, Any]) -> Served:
+        names = {b.name for b in backends.values()}
+        return cls(tuple(sorted(backends.items())),
+                   tuple(sorted((n, o) for n, o in options.items() if n in names)))
+
+    def __call__(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands) -> Any:
+        options = dict(self.options)
+
+        def branch(platform: str, backend: Backend) -> Callable[..., Any]:
+            def run(q: Any, k: Any, v: Any, operands: Operands) -> Any:
+                refuse_unclaimed(backend, call)
+                q, k, v, operands = guard_gradients(backend, q, k, v, operands)
+                with jax.named_scope(f"attn/{backend.name}"):
+                    return backend.attend(dataclasses.replace(call, platform=platform), q, k, v,
+                                          operands, options.get(backend.name))
+            return run
+
+        branches = {platform: branch(platform, backend) for platform, backend in self.backends}
+        return on_platforms(branches, lambda q, *_: empty_result(call, q), q, k, v, operands)
+
+
+def refuse_unclaimed(backend: Backend, call: AttentionCall) -> None:
+    """Raise UnsupportedError when ``call`` uses what ``backend``'s manifest does not claim.
+
+    Core's one home for this rule: every path that hands a call to
+    ``backend.attend`` runs it first, so no backend needs its own copy and
+    none can be handed a feature it would silently ignore.
+    """
+    reasons = backend.capabilities.unclaimed(call)
+    if reasons:
+        raise UnsupportedError(
+            f"backend {backend.name!r} cannot serve {call.describe()}: " + "; ".join(reasons)
+        )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def no_gradient(x: Any, message: str) -> Any:
+    """Identity whose gradient raises UnsupportedError(message) when traced."""
+    return x
+
+
+def _no_gradient_fwd(x: Any, message: str) -> tuple[Any, None]:
+    return x, None
+
+
+def _no_gradient_bwd(message: str, _: None, g: Any) -> tuple[Any]:
+    raise UnsupportedError(message)
+
+
+no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd)
+
+
+def guard_gradients(
+    backend: Backend, q: Any, k: Any, v: Any, operands: Operands
+) -> tuple[Any, Any, Any, Operands]:
+    """Make a gradient the backend does not implement fail loudly, never silently."""
+    caps = backend.capabilities
+    if not caps.differentiable:
+        message = f"backend {backend.name!r} is not differentiable (capabilities)"
+        q, k, v = (no_gradient(x, message) for x in (q, k, v))
+    if operands.bias is not None and not caps.bias_grad:
+        message = f"backend {backend.name!r} has no gradient w.r.t. bias (bias_grad=False)"
+        operands = operands._replace(bias=no_gradient(operands.bias, message))
+    return q, k, v, operands
+
+
+def empty_result(call: AttentionCall, q: Any) -> Any:
+    """The defined result of a call with B, Tq or Tk equal to 0: zeros, lse -inf.
+
+    out ``[B, Tq, Hq, Dv]`` zeros in q's dtype; lse ``[B, Hq, Tq]`` of -inf.
+    """
+    out = jnp.zeros((call.batch, call.q_len, call.q_heads, call.v_head_dim), q.dtype)
+    if call.return_lse:
+        lse = jnp.full((call.batch, call.q_heads, call.q_len), -jnp.inf, jnp.float32)
+        return out, lse
+    return out

@@ -1,0 +1,209 @@
+"""The registry: discovery on first use, and ``get()`` returning an Attention."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from ..contract.backend import Backend
+from ..contract.errors import AttnBackendsWarning, UnknownBackendError, warn
+from .discovery import Discovered, LoadProblem, Origin, Settings, discover
+from .select import Explanation, Probe
+
+if TYPE_CHECKING:
+    from .attention import Attention, ParallelLayer
+
+FALLBACK_MODES = ("warn", "error", "silent")
+
+T = TypeVar("T")
+
+
+@dataclass
+class Lazy(Generic[T]):
+    """A value an upper layer hands the registry, built on first use by ``make()``:
+    how the prober reaches selection without ``import attn_backends`` loading it."""
+
+    make: Callable[[], T]
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
+
+
+class Registry:
+    """Installed backends, loaded lazily, and the entry point for selection.
+
+    The choosing layer's registry: ``attn_backends.Registry`` is this one with
+    core's prober and the parallel layer wired in. ``plugins`` are in-process
+    plugin objects (modules or instances holding ``@hookimpl`` functions),
+    registered besides the entry points. Settings left as None come from the
+    ``ATTN_BACKENDS_*`` environment variables when discovery runs. ``probe`` is
+    None (no probes), a callable ``probe(backend, call, platform, options) ->
+    reasons``, or a :class:`Lazy` one. ``parallel`` loads the layer that serves
+    sharded inputs (None: they raise UnsupportedError).
+    """
+
+    def __init__(
+        self,
+        *,
+        plugins: Sequence[object] = (),
+        autoload: bool | None = None,
+        strict: bool | None = None,
+        only: Sequence[str] | None = None,
+        disable: Sequence[str] | None = None,
+        probe: Probe | Lazy[Probe] | None = None,
+        parallel: Callable[[], ParallelLayer] | None = None,
+    ):
+        self._plugins = list(plugins)
+        self._overrides = {
+            "autoload": autoload,
+            "strict": strict,
+            "only": None if only is None else frozenset(only),
+            "disable": None if disable is None else frozenset(disable),
+        }
+        self._probe = probe
+        self._parallel = parallel
+        self._discovered: Discovered | None = None
+        # Re-entrant: a plugin that reads the registry while it is imported
+        # must not deadlock discovery.
+        self._lock = threading.RLock()
+        #: Bumped on every reload, so Attention objects drop older selections.
+        self.generation = 0
+
+    @property
+    def probe(self) -> Probe | None:
+        """The probe selection consults (a :class:`Lazy` one is built here, once)."""
+        with self._lock:
+            if isinstance(self._probe, Lazy):
+                self._probe = self._probe.make()
+            return self._probe
+
+    @probe.setter
+    def probe(self, probe: Probe | Lazy[Probe] | None) -> None:
+        self._probe = probe
+
+    def _load(self) -> Discovered:
+        with self._lock:
+            if self._discovered is None:
+                settings = Settings.from_env(**self._overrides)
+                self._discovered = discover(settings, _jax_version(), self._plugins)
+            return self._discovered
+
+    def reload(self) -> None:
+        """Forget discovery results; the next use discovers again."""
+        with self._lock:
+            self._discovered = None
+            self.generation += 1
+
+    def register(self, plugin: object) -> None:
+        """Add an in-process plugin object and rediscover."""
+        self._plugins.append(plugin)
+        self.reload()
+
+    @property
+    def backends(self) -> dict[str, Backend]:
+        """Registered backends by name."""
+        return dict(self._load().backends)
+
+    @property
+    def origins(self) -> dict[str, Origin]:
+        """Where each registered backend came from."""
+        return dict(self._load().origins)
+
+    @property
+    def problems(self) -> list[LoadProblem]:
+        """Plugins and backends skipped at discovery, with the reason."""
+        return list(self._load().problems)
+
+    def backend(self, name: str) -> Backend:
+        """The backend called ``name``; UnknownBackendError lists the installed ones."""
+        backends = self.backends
+        if name not in backends:
+            installed = ", ".join(sorted(backends)) or "none"
+            raise UnknownBackendError(
+                f"backend={name!r}: no such backend is registered (installed: {installed}). "
+                "Install its distribution, or check ATTN_BACKENDS_ONLY / ATTN_BACKENDS_DISABLE."
+            )
+        return backends[name]
+
+    def get(
+        self,
+        device: Any = None,
+        backend: str | None = None,
+        prefer: str | Sequence[str] | None = None,
+        fallback: str = "warn",
+        backend_options: Mapping[str, Any] | None = None,
+        *,
+        mesh: Any = None,
+        spec: Any = None,
+        sequence_axis: str | None = None,
+        ring_block: int | None = None,
+    ) -> Attention:
+        """An :class:`Attention` callable for ``device`` (None = JAX's default).
+
+        ``device``: None, "cpu", "gpu" or "tpu" (or "cuda"), a ``jax.Device``, or
+        a list of these for a program exported for several platforms
+        (``jax.export(..., platforms=[...])``): each gets its own selection, and
+        each backend is lowered only for the platform it was selected for
+        (lowering for a platform not asked for raises PlatformUnavailableError).
+
+        ``backend="x"`` is strict (no fallback). ``prefer`` lists names to try
+        first. ``fallback`` is "warn", "error" or "silent". ``backend_options``
+        maps a backend name to its config object (e.g. block sizes).
+
+        Sharding (docs/MANY_CHIPS.md): ``mesh`` (a ``jax.sharding.Mesh`` or
+        ``AbstractMesh``) and ``spec`` (a ``PartitionSpec`` over the BTNH dims
+        of q, k, v) say how inputs are laid out when their own sharding does
+        not (e.g. under ``jit`` with Auto axes); ``sequence_axis`` names the mesh
+        axis the sequence is split over, which runs ring attention, whose
+        backend calls take sub-chunks of at most ``ring_block`` tokens (None:
+        1024).
+        """
+        from ..contract.environment import resolve_all
+        from .attention import Attention
+
+        if fallback not in FALLBACK_MODES:
+            raise ValueError(f"fallback: expected one of {FALLBACK_MODES}, got {fallback!r}")
+        if backend is not None:
+            self.backend(backend)
+        if isinstance(prefer, str):
+            prefer = (prefer,)
+        unknown = sorted(set(prefer or ()) - set(self.backends))
+        if unknown:
+            # Not an error: model code may prefer a backend installed only on
+            # some machines. But a typo must not pass unnoticed.
+            warn(
+                f"prefer={list(prefer or ())}: {', '.join(map(repr, unknown))} not installed "
+                f"(installed: {', '.join(sorted(self.backends)) or 'none'}); ignored",
+                AttnBackendsWarning,
+            )
+        return Attention(
+            self,
+            platforms=resolve_all(device),
+            backend=backend,
+            prefer=tuple(prefer or ()),
+            fallback=fallback,
+            backend_options=dict(backend_options or {}),
+            sharding=self._sharding_request(mesh, spec, sequence_axis, ring_block),
+            parallel=self._parallel,
+        )
+
+    def _sharding_request(self, mesh: Any, spec: Any, sequence_axis: str | None,
+                          ring_block: int | None) -> Any:
+        """The parallel layer's request for these arguments (None when none is given)."""
+        if mesh is None and spec is None and sequence_axis is None and ring_block is None:
+            return None
+        if self._parallel is None:
+            raise ValueError(
+                "mesh=, spec=, sequence_axis=, ring_block=: this registry was made without "
+                "the parallel layer; use attn_backends.Registry (or attn_backends.registry)"
+            )
+        return self._parallel().request(mesh, spec, sequence_axis, ring_block)
+
+    def explain(self, q: Any, k: Any, v: Any, *, device: Any = None, **kwargs: Any) -> Explanation:
+        """Every backend's verdict for this call on ``device`` (arrays or ShapeDtypeStructs)."""
+        return self.get(device=device, fallback="silent").explain(q, k, v, **kwargs)

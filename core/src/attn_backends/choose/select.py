@@ -1,0 +1,180 @@
+"""Selection: a plain function of (call, platform, backends, preferences, probes)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..contract.backend import Backend
+from ..contract.call import AttentionCall
+from ..contract.capabilities import in_range
+
+#: ``probe(backend, call, platform, options) -> reasons`` (empty: passed; None:
+#: nothing was compared, e.g. the backend's check() rejects every probe shape).
+#: ``options`` are the caller's options for that backend (None: defaults). The
+#: registry's default is :class:`attn_backends.probe.prober.Prober`.
+Probe = Callable[[Backend, AttentionCall, str, Any], "list[str] | None"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One backend's answer for one call. ``probed`` is None when no probe ran."""
+
+    backend: str
+    version: str
+    distribution: str | None
+    priority: int
+    accepted: bool
+    reasons: tuple[str, ...]
+    probed: bool | None = None
+    #: False when the manifest excludes the platform: such a backend is not
+    #: "passed over" (no fallback warning for a TPU kernel on a CPU).
+    platform_ok: bool = True
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Every backend's verdict for a call, in preference order, and the choice."""
+
+    call: AttentionCall
+    platform: str
+    present: bool
+    verdicts: tuple[Verdict, ...]
+    chosen: str | None
+
+    @property
+    def passed_over(self) -> tuple[Verdict, ...]:
+        """Rejected backends ranked above the chosen one that serve this platform."""
+        out = []
+        for verdict in self.verdicts:
+            if verdict.backend == self.chosen:
+                break
+            if verdict.platform_ok:
+                out.append(verdict)
+        return tuple(out)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "call": asdict(self.call),
+            "description": self.call.describe(),
+            "platform": self.platform,
+            "platform_present": self.present,
+            "chosen": self.chosen,
+            "verdicts": [{**asdict(v), "reasons": list(v.reasons)} for v in self.verdicts],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+    def __str__(self) -> str:
+        status = "" if self.present else " (not present here: manifest only, unprobed)"
+        lines = [f"call: {self.call.describe()}", f"platform: {self.platform}{status}"]
+        below_chosen = False
+        for verdict in self.verdicts:
+            mark = "CHOSEN" if verdict.backend == self.chosen else (
+                "rejected" if not verdict.accepted else
+                "ok (not probed: ranked below the chosen one)" if below_chosen and self.present
+                and verdict.probed is None else "ok"
+            )
+            below_chosen = below_chosen or verdict.backend == self.chosen
+            lines.append(f"  {verdict.backend:<16} prio {verdict.priority:>4}  {mark}")
+            lines += [f"      - {reason}" for reason in verdict.reasons]
+        if self.chosen is None:
+            lines.append("  no backend can serve this call")
+        return "\n".join(lines)
+
+
+def rank(backends: Sequence[Backend], platform: str, prefer: Sequence[str] = ()) -> list[Backend]:
+    """Order: names in ``prefer`` first (in that order), then priority, then name."""
+    position = {name: i for i, name in enumerate(prefer)}
+    return sorted(
+        backends,
+        key=lambda b: (position.get(b.name, len(position)), -b.priority_on(platform), b.name),
+    )
+
+
+def jax_range_reason(backend: Backend, jax_version: str) -> str | None:
+    """Why ``backend`` is not selected under ``jax_version`` (None: its range allows it)."""
+    spec = backend.capabilities.jax_versions
+    if spec and not in_range(jax_version, spec):
+        return f"jax {jax_version} is outside the supported range {spec}"
+    return None
+
+
+def _reasons(backend: Backend, call: AttentionCall, platform: str, jax_version: str) -> list[str]:
+    reasons = backend.capabilities.unmet(call, platform)
+    out_of_range = jax_range_reason(backend, jax_version)
+    if out_of_range:
+        reasons.append(out_of_range)
+    if reasons:
+        return reasons
+    try:
+        return [str(r) for r in backend.check(call)]
+    except Exception as exc:  # noqa: BLE001 - a broken check() is a reason, not a crash
+        return [f"check() raised {type(exc).__name__}: {exc}"]
+
+
+def select(
+    call: AttentionCall,
+    platform: str,
+    backends: Sequence[Backend],
+    *,
+    jax_version: str,
+    present: bool = True,
+    prefer: Sequence[str] = (),
+    distributions: dict[str, str] | None = None,
+    probe: Probe | None = None,
+    call_for: Callable[[Backend], AttentionCall] | None = None,
+    options: Mapping[str, Any] | None = None,
+    calls_for: Callable[[Backend], Sequence[AttentionCall]] | None = None,
+    reasons_for: Callable[[Backend], Sequence[str]] | None = None,
+) -> Explanation:
+    """Judge every backend for ``call`` on ``platform`` and choose the first survivor.
+
+    Steps: manifest filter, jax version range, ``check(call)``, then the probe
+    (only when the platform is present and a probe is given, and only until a
+    backend is chosen: those ranked below it are not probed). ``options`` maps
+    a backend name to the caller's options, which its probe runs under.
+    ``call_for`` gives the call a backend will really receive when that
+    differs from ``call`` (a backend run per device sees the per-device
+    shapes); checks and probes judge that call. ``calls_for`` gives several
+    calls a backend will receive (a ring's per-block calls): it must pass on
+    each. ``reasons_for`` adds reasons of the caller's own (a ring needs lse).
+    """
+    verdicts = []
+    chosen = None
+    for backend in rank(backends, platform, prefer):
+        if calls_for is not None:
+            judged = list(calls_for(backend))
+        else:
+            judged = [call if call_for is None else call_for(backend)]
+        reasons = list(reasons_for(backend)) if reasons_for is not None else []
+        for one in judged:
+            found = _reasons(backend, one, platform, jax_version)
+            reasons += [r for r in found if r not in reasons]
+        probed = None
+        if not reasons and probe is not None and present and chosen is None:
+            for one in judged:
+                outcome = probe(backend, one, platform, (options or {}).get(backend.name))
+                probed = bool(probed) or outcome is not None
+                reasons += [r for r in outcome or () if r not in reasons]
+                if reasons:
+                    break
+        accepted = not reasons
+        if accepted and chosen is None:
+            chosen = backend.name
+        verdicts.append(
+            Verdict(
+                backend=backend.name,
+                version=backend.version,
+                distribution=(distributions or {}).get(backend.name),
+                priority=backend.priority_on(platform),
+                accepted=accepted,
+                reasons=tuple(reasons),
+                probed=probed,
+                platform_ok=platform in backend.capabilities.platforms,
+            )
+        )
+    return Explanation(call, platform, present, tuple(verdicts), chosen)

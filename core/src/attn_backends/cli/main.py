@@ -1,0 +1,440 @@
+"""The ``attn-backends`` command: list, explain, check, probe, bench, doctor."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from ..contract.capabilities import DTYPES
+from ..contract.environment import expected
+from ..contract.errors import AttnBackendsError
+from . import report as _report
+
+T = TypeVar("T")
+
+
+def _argument(parse: Callable[[str], T], accepts: str) -> Callable[[str], T]:
+    """An argparse type: ``parse``, whose ValueError reads like the contract's
+    (:func:`~attn_backends.contract.environment.expected`); argparse names the
+    flag: ``argument --heads: expected an integer >= 1, got '0'``."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(expected(accepts, text)) from None
+
+    convert.__name__ = accepts  # what argparse would show for any other error
+    return convert
+
+
+def _at_least_1(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def _above_0(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(text)
+    return value
+
+
+def _ints(count: int) -> Callable[[str], tuple[int, ...]]:
+    def parse(text: str) -> tuple[int, ...]:
+        values = tuple(int(x) for x in text.split(","))
+        if len(values) != count:
+            raise ValueError(text)
+        return values
+
+    return _argument(parse, f"{count} comma-separated integers like 1,128,8,64")
+
+
+def _window_sides(text: str) -> tuple[int | None, int | None]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise ValueError(text)
+    left, right = (int(p) if p.strip() not in ("", "none", "None") else None for p in parts)
+    return left, right
+
+
+def _lengths(text: str) -> list[int]:
+    return [_at_least_1(x) for x in text.split(",")]
+
+
+_positive = _argument(_at_least_1, "an integer >= 1")
+_window = _argument(_window_sides, "LEFT,RIGHT: two integers, either may be empty")
+_softcap = _argument(_above_0, "a number > 0")
+_seq = _argument(_lengths, "comma-separated lengths >= 1 like 512,1024")
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
+    line = lambda cells: "  ".join(  # noqa: E731
+        str(c).ljust(w) for c, w in zip(cells, widths, strict=False)
+    ).rstrip()
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _registry() -> Any:
+    from .._wiring import registry
+
+    return registry
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from ..contract.environment import resolve
+
+    registry = _registry()
+    backends, origins, problems = registry.backends, registry.origins, registry.problems
+    platform, _ = resolve(None)
+    records = []
+    for name in sorted(backends):
+        backend, origin = backends[name], origins[name]
+        caps = backend.capabilities
+        records.append(
+            {
+                "backend": name,
+                "distribution": origin.distribution,
+                "version": backend.version,
+                "api_version": backend.api_version,
+                "priority": dict(backend.priority),
+                "capabilities": caps.as_dict(),
+                "certified": _report.certificate_summary(backend, platform),
+                "probes": _report.probe_summary(name),
+            }
+        )
+    if args.json:
+        print(json.dumps({"backends": records, "problems": [str(p) for p in problems]}, indent=2))
+        return 0
+    rows = []
+    for rec in records:
+        caps = rec["capabilities"]
+        features = [f for f in ("gqa", "causal", "window", "segment_ids", "lengths", "mask",
+                                "bias", "bias_grad", "softcap", "return_lse") if caps[f]]
+        rows.append([
+            rec["backend"], rec["distribution"], rec["version"],
+            ",".join(caps["platforms"]), ",".join(caps["dtypes"]), caps["head_dims"],
+            ",".join(features) or "-", rec["certified"], rec["probes"],
+        ])
+    if rows:
+        header = ["backend", "distribution", "version", "platforms", "dtypes", "head dims",
+                  "features", "certified", "probes"]
+        print(_table(rows, header))
+    else:
+        print("no backends installed: pip install attn-backend-reference (or attn-backends[xla])")
+    if problems:
+        print("\nload problems:")
+        for problem in problems:
+            print(f"  - {problem}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    b, tq, hq, d = args.q
+    bk, tk, hkv, dk = args.kv
+    dv = args.dv if args.dv is not None else dk
+    dtype = jnp.dtype(args.dtype)
+    sds = jax.ShapeDtypeStruct
+    q, k, v = (
+        sds((b, tq, hq, d), dtype),
+        sds((bk, tk, hkv, dk), dtype),
+        sds((bk, tk, hkv, dv), dtype),
+    )
+    kwargs: dict[str, Any] = {
+        "causal": args.causal,
+        "window": args.window,
+        "softcap": args.softcap,
+        "return_lse": args.return_lse,
+    }
+    if args.segment_ids:
+        kwargs["segment_ids"] = (sds((b, tq), jnp.int32), sds((bk, tk), jnp.int32))
+    if args.q_lengths:
+        kwargs["q_lengths"] = sds((b,), jnp.int32)
+    if args.kv_lengths:
+        kwargs["kv_lengths"] = sds((b,), jnp.int32)
+    if args.mask:
+        kwargs["mask"] = sds((b, hq, tq, tk), jnp.bool_)
+    if args.bias:
+        kwargs["bias"] = sds((b, hq, tq, tk), dtype)
+    attention = _registry().get(
+        device=args.device, backend=args.backend,
+        prefer=args.prefer.split(",") if args.prefer else None, fallback="silent",
+    )
+    explanation = attention.explain(q, k, v, **kwargs)
+    print(explanation.to_json() if args.json else explanation)
+    return 0 if explanation.chosen else 1
+
+
+def _print_quarantined(records: list[dict[str, Any]]) -> None:
+    if not records:
+        print("no quarantined verdicts in the probe cache")
+        return
+    print(
+        f"{len(records)} quarantined verdict(s) "
+        "(attn-backends probe --clear NAME forgets them):"
+    )
+    for r in records:
+        key = r.get("key", {})
+        print(f"  {key.get('backend')} {key.get('backend_version')} on {key.get('platform')}"
+              f" (jax {key.get('jax')}, options {key.get('options') or 'default'},"
+              f" {r.get('date')})")
+        print(f"    probe call: {r.get('probe_call')}  (first seen on {r.get('first_seen_on')})")
+        for reason in r.get("reasons", []):
+            print(f"    - {reason}")
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from ..contract.environment import resolve
+    from ..probe import prober as _probe
+    from ..probe import verdicts as _verdicts
+
+    registry = _registry()
+    if args.clear is not None:
+        name = None if args.clear == "" else args.clear
+        if name is not None:
+            registry.backend(name)
+        removed = _verdicts.clear(name)
+        if isinstance(registry.probe, _probe.Prober):
+            registry.probe.forget()
+        print(
+            f"removed {removed} probe verdict(s) of {name or 'every backend'} "
+            f"from {_verdicts.folder()}"
+        )
+        return 0
+    if args.quarantined:
+        records = _probe.quarantined()
+        if args.json:
+            print(json.dumps(records, indent=2))
+        else:
+            _print_quarantined(records)
+        return 1 if records else 0
+    platform, present = resolve(args.device)
+    if not present:
+        print(f"attn-backends probe: JAX sees no {platform} here; probes run on the real device",
+              file=sys.stderr)
+        return 2
+    prober = registry.probe if isinstance(registry.probe, _probe.Prober) else _probe.Prober()
+    names = args.backends.split(",") if args.backends else sorted(registry.backends)
+    results, quarantined = [], 0
+    for name in names:
+        backend = registry.backend(name)
+        for call in _probe.probe_plan(backend):
+            if backend.capabilities.unmet(call, platform):
+                continue
+            print(f"probing {name}: {call.describe()} ...", file=sys.stderr, flush=True)
+            verdict = prober.verdict(backend, call, platform)
+            quarantined += not verdict.passed
+            results.append({
+                "backend": name, "call": call.describe(), "passed": verdict.passed,
+                "source": verdict.source, "seconds": round(verdict.seconds, 3),
+                "reasons": list(verdict.reasons),
+            })
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        rows = [[r["backend"], r["call"], "ok" if r["passed"] else "QUARANTINED", r["source"],
+                 f"{r['seconds']:.2f}", "; ".join(r["reasons"]) or "-"] for r in results]
+        print(_table(rows, ["backend", "call", "verdict", "source", "seconds", "reasons"]))
+        print()
+        _print_quarantined(_probe.quarantined())
+    return 1 if quarantined else 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        from attn_backends_contracts import run_check
+    except ImportError:
+        print("attn-backends check: the conformance suite is not installed: "
+              "pip install attn-backends-contracts", file=sys.stderr)
+        return 2
+    _registry().backend(args.backend)
+    extra = (["--attn-quick"] if args.quick else []) + list(args.pytest_args)
+    return run_check(args.backend, args.json, extra)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..contract.environment import resolve
+    from . import bench as _bench
+
+    platform, present = resolve(args.device)
+    if not present:
+        print(f"attn-backends bench: JAX sees no {platform} here", file=sys.stderr)
+        return 2
+    seqs = list(args.seq)
+    if args.decode:
+        return _bench_decode(args, platform, seqs)
+    rows = _bench.run(
+        _registry(), platform,
+        backends=args.backends.split(",") if args.backends else None,
+        seqs=seqs, heads=args.heads, head_dim=args.head_dim,
+        dtype=args.dtype, causal=not args.no_causal, reps=args.reps,
+    )
+    if not rows:
+        print("attn-backends bench: nothing was timed: none of the backends asked for can "
+              "serve these calls here (attn-backends explain says why)", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_bench.as_dicts(rows), indent=2))
+    else:
+        table = [[r.backend, str(r.seq), r.kind, f"{r.ms:.2f}",
+                  "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"] for r in rows]
+        print(_table(table, ["backend", "S", "pass", "best ms", "reference / backend"]))
+    if args.plot:
+        from ..contract.environment import device_kind
+
+        _bench.plot(rows, args.plot, _bench.setup_label(
+            heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+            causal=not args.no_causal, platform=platform, device_kind=device_kind(platform)))
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _bench_decode(args: argparse.Namespace, platform: str, kv_lens: list[int]) -> int:
+    from dataclasses import asdict
+
+    from .bench_decode import run_decode
+
+    rows = run_decode(
+        _registry(), platform, backends=args.backends.split(",") if args.backends else None,
+        kv_lens=kv_lens, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+        reps=args.reps,
+    )
+    if not rows:
+        print("attn-backends bench --decode: nothing was timed: none of the backends asked "
+              "for can serve these calls here (attn-backends explain says why)", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+        return 0
+    table = [[r.backend, str(r.kv_len), f"{r.ms:.2f}", f"{100 * r.bandwidth_share:.0f}%",
+              "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"] for r in rows]
+    print(_table(table, ["backend", "Tk", "best ms", "of jnp.sum bandwidth",
+                         "reference / backend"]))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    report = _report.doctor(_registry())
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for key, value in report.items():
+        if key == "backends":
+            print("backends:")
+            for rec in value:
+                print("  " + "  ".join(f"{k}={v}" for k, v in rec.items()))
+        elif key == "load_problems":
+            print("load problems:" + ("" if value else " none"))
+            for problem in value:
+                print(f"  - {problem}")
+        else:
+            print(f"{key}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attn-backends", description="Inspect and choose JAX attention backends."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_list = sub.add_parser("list", help="installed backends, their manifests and load problems")
+    p_list.add_argument("--json", action="store_true", help="machine-readable output")
+    p_list.set_defaults(func=cmd_list)
+
+    p_exp = sub.add_parser("explain", help="every backend's verdict for a call")
+    p_exp.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
+    p_exp.add_argument("--q", required=True, type=_ints(4), metavar="B,Tq,Hq,D")
+    p_exp.add_argument("--kv", required=True, type=_ints(4), metavar="B,Tk,Hkv,D")
+    p_exp.add_argument("--dv", type=_positive, default=None, help="value head dim (default: D)")
+    p_exp.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p_exp.add_argument("--causal", action="store_true")
+    p_exp.add_argument("--window", type=_window, default=None, metavar="LEFT,RIGHT")
+    p_exp.add_argument("--segment-ids", action="store_true")
+    p_exp.add_argument("--q-lengths", action="store_true")
+    p_exp.add_argument("--kv-lengths", action="store_true")
+    p_exp.add_argument("--mask", action="store_true", help="a dense [B,Hq,Tq,Tk] bool mask")
+    p_exp.add_argument("--bias", action="store_true", help="a dense [B,Hq,Tq,Tk] bias")
+    p_exp.add_argument("--softcap", type=_softcap, default=None)
+    p_exp.add_argument("--return-lse", action="store_true")
+    p_exp.add_argument("--backend", default=None, help="judge only this backend")
+    p_exp.add_argument("--prefer", default=None, help="comma-separated names to try first")
+    p_exp.add_argument("--json", action="store_true")
+    p_exp.set_defaults(func=cmd_explain)
+
+    p_probe = sub.add_parser(
+        "probe", help="probe installed backends on this device; list or clear quarantines")
+    p_probe.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
+    p_probe.add_argument("--backends", default=None, help="comma-separated names (default: all)")
+    p_probe.add_argument("--quarantined", action="store_true",
+                         help="only list the quarantined verdicts in the cache, with their numbers")
+    p_probe.add_argument("--clear", nargs="?", const="", default=None, metavar="NAME",
+                         help="forget the cached verdicts of NAME (of every backend without NAME)")
+    p_probe.add_argument("--json", action="store_true")
+    p_probe.set_defaults(func=cmd_probe)
+
+    p_check = sub.add_parser("check", help="run the conformance suite against a backend")
+    p_check.add_argument("backend", help="installed backend name")
+    p_check.add_argument("--json", default=None, metavar="FILE", help="write the certificate here")
+    p_check.add_argument("--quick", action="store_true", help="reduced case table")
+    p_check.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
+    p_check.set_defaults(func=cmd_check)
+
+    p_bench = sub.add_parser("bench", help="time installed backends on this device")
+    p_bench.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
+    p_bench.add_argument("--backends", default=None, help="comma-separated names (default: all)")
+    p_bench.add_argument("--seq", type=_seq, default="512,1024,2048",
+                         help="sequence lengths, comma-separated")
+    p_bench.add_argument("--heads", type=_positive, default=8)
+    p_bench.add_argument("--head-dim", type=_positive, default=64)
+    p_bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p_bench.add_argument("--no-causal", action="store_true")
+    p_bench.add_argument("--reps", type=_positive, default=5)
+    p_bench.add_argument("--decode", action="store_true",
+                         help="time decode steps (one query, GQA 4, kv_lengths) against caches "
+                         "of the --seq lengths, with each backend's share of the jnp.sum "
+                         "bandwidth; --no-causal and --plot do not apply")
+    p_bench.add_argument("--json", action="store_true")
+    p_bench.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="needs attn-backends[plot]"
+    )
+    p_bench.set_defaults(func=cmd_bench)
+
+    p_doc = sub.add_parser("doctor", help="environment report to paste into a bug report")
+    p_doc.add_argument("--json", action="store_true")
+    p_doc.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Split at "--" here: argparse cannot take `check NAME --quick -- -k x`
+    # (options between the name and the extra positionals).
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if extra:
+        if args.command != "check":
+            parser.error(f"arguments after -- are extra pytest arguments, only for check: {extra}")
+        args.pytest_args = [*args.pytest_args, *extra]
+    try:
+        return int(args.func(args))
+    except (AttnBackendsError, ValueError) as exc:
+        print(f"attn-backends {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""The attention contract (api_version 1): validate user arguments once.
+
+`bind` turns the arguments of ``attention(q, k, v, ...)`` into a frozen,
+hashable :class:`AttentionCall` (static shapes, dtypes and flags, what the
+selector and every backend read) plus :class:`Operands` (the optional arrays).
+Every bad argument raises ``ValueError`` naming it, what was expected and what
+arrived, before any backend runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+API_VERSION = 1
+SUPPORTED_API_VERSIONS = frozenset({1})
+
+#: Call features a manifest may claim; a call uses a subset of them.
+FEATURES = (
+    "gqa",
+    "causal",
+    "window",
+    "segment_ids",
+    "lengths",
+    "mask",
+    "bias",
+    "softcap",
+    "return_lse",
+)
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """Static description of one attention call; hashable, so it keys caches.
+
+    Shapes: q ``[batch, q_len, q_heads, head_dim]``, k ``[batch, kv_len,
+    kv_heads, head_dim]``, v ``[batch, kv_len, kv_heads, v_head_dim]``.
+    ``mask_shape`` and ``bias_shape`` are ``[B|1, Hq|1, Tq, Tk]`` or None.
+    """
+
+    batch: int
+    q_len: int
+    kv_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: str
+    scale: float
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    segment_ids: bool = False
+    q_lengths: bool = False
+    kv_lengths: bool = False
+    mask_shape: tuple[int, int, int, int] | None = None
+    bias_shape: tuple[int, int, int, int] | None = None
+    bias_dtype: str | None = None
+    softcap: float | None = None
+    return_lse: bool = False
+    #: The platform (cpu, gpu, tpu) the program is being lowered for, set by
+    #: core when it calls ``Backend.attend``, so per-platform choices (block
+    #: sizes) follow the target, not the host; None elsewhere (a backend called
+    #: directly). Added within api_version 1.
+    platform: str | None = None
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head: query head h reads kv head ``h // group``."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def offset(self) -> int:
+        """``Tk - Tq``: causal and window are aligned bottom-right by it."""
+        return self.kv_len - self.q_len
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the output or the key set is empty (B, Tq or Tk is 0)."""
+        return 0 in (self.batch, self.q_len, self.kv_len)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The subset of :data:`FEATURES` this call uses."""
+        used = {
+            "gqa": self.group > 1,
+            "causal": self.causal,
+            "window": self.window is not None,
+            "segment_ids": self.segment_ids,
+            "lengths": self.q_lengths or self.kv_lengths,
+            "mask": self.mask_shape is not None,
+            "bias": self.bias_shape is not None,
+            "softcap": self.softcap is not None,
+            "return_lse": self.return_lse,
+        }
+        return frozenset(f for f, on in used.items() if on)
+
+    def describe(self) -> str:
+        """One line for people: shapes, dtype and the features used."""
+        text = (
+            f"q[{self.batch},{self.q_len},{self.q_heads},{self.head_dim}] "
+            f"kv[{self.batch},{self.kv_len},{self.kv_heads},{self.head_dim}/{self.v_head_dim}] "
+            f"{self.dtype}"
+        )
+        extras = []
+        for feature in FEATURES:
+            if feature in self.features:
+                extras.append(f"window={self.window}" if feature == "window" else feature)
+        return text + (" " + " ".join(extras) if extras else "")
+
+
+class Operands(NamedTuple):
+    """The optional arrays of a call; None where not given.
+
+    q_segment_ids ``[B, Tq]`` int, kv_segment_ids ``[B, Tk]`` int,
+    q_lengths ``[B]`` int, kv_lengths ``[B]`` int, mask ``[B|1, Hq|1, Tq, Tk]``
+    bool, bias ``[B|1, Hq|1, Tq, Tk]`` float.
+    """
+
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    q_lengths: Any = None
+    kv_lengths: Any = None
+    mask: Any = None
+    bias: Any = None
+
+
+def _dtype_name(x: Any) -> str:
+    return np.dtype(x.dtype).name
+
+
+def _require_array(name: str, x: Any) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(
+            f"{name}: expected an array (jax.Array, numpy array or ShapeDtypeStruct), "
+            f"got {type(x).__name__}. Wrap it with jnp.asarray(...)."
+        )
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+def _check_qkv(q: Any, k: Any, v: Any) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _require_array(name, x)
+        if len(x.shape) != 4:
+            raise ValueError(
+                f"{name}: expected rank 4 [B, T, H, D] (BTNH layout, as "
+                f"jax.nn.dot_product_attention), got shape {_shape(x)}"
+            )
+    dtypes = {n: _dtype_name(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    for name, dt in dtypes.items():
+        if dt not in _FLOAT_DTYPES:
+            hint = " Cast to float32 first." if dt == "float64" else ""
+            raise ValueError(
+                f"{name}: expected dtype float32, bfloat16 or float16, got {dt}.{hint}"
+            )
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(
+            f"q, k, v: expected one dtype, got q={dtypes['q']}, k={dtypes['k']}, "
+            f"v={dtypes['v']}. Cast them to the same dtype."
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if any(n < 0 for n in _shape(x)):
+            raise ValueError(f"{name}: expected sizes >= 0, got shape {list(_shape(x))}")
+    (bq, tq, hq, d), (bk, tk, hk, dk), (bv, tv, hv, _) = map(_shape, (q, k, v))
+    layout_hint = (
+        " The layout is BTNH [B, T, H, D]; a [B, H, T, D] array must be "
+        "transposed with x.transpose(0, 2, 1, 3)."
+    )
+    if not bq == bk == bv:
+        raise ValueError(f"batch: expected q, k, v to share B, got {bq}, {bk}, {bv}")
+    if tk != tv:
+        raise ValueError(f"k, v: expected the same length Tk, got {tk} and {tv}.{layout_hint}")
+    if hk != hv:
+        raise ValueError(f"k, v: expected the same kv heads, got {hk} and {hv}.{layout_hint}")
+    if dk != d:
+        raise ValueError(
+            f"k: expected head dim D={d} (from q), got {dk}; q and k must share D.{layout_hint}"
+        )
+    if d == 0 or hq == 0:
+        raise ValueError(
+            f"q: expected at least one head and a head dim >= 1, got Hq={hq}, D={d} "
+            f"(shape {[bq, tq, hq, d]})"
+        )
+    if hk == 0 or hq % hk:
+        raise ValueError(
+            f"heads: expected q heads Hq={hq} to be a multiple of kv heads Hkv={hk} "
+            f"(GQA/MQA).{layout_hint}"
+        )
+
+
+def _check_int_array(name: str, x: Any, shape: tuple[int, ...]) -> None:
+    _require_array(name, x)
+    if _shape(x) != shape:
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(_shape(x))}")
+    if not np.issubdtype(np.dtype(x.dtype), np.integer):
+        raise ValueError(f"{name}: expected an integer dtype, got {_dtype_name(x)}")
+
+
+def _check_pairwise(
+    name: str, x: Any, b: int, hq: int, tq: int, tk: int
+) -> tuple[int, int, int, int]:
+    _require_array(name, x)
+    shape = _shape(x)
+    ok = (
+        len(shape) == 4
+        and shape[0] in (1, b)
+        and shape[1] in (1, hq)
+        and shape[2:] == (tq, tk)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name}: expected shape [B|1, Hq|1, Tq, Tk] = [{b}|1, {hq}|1, {tq}, {tk}], "
+            f"got {list(shape)}"
+        )
+    return shape  # type: ignore[return-value]
+
+
+def _check_scale(scale: Any, d: int) -> float:
+    if scale is None:
+        return d**-0.5 if d else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise ValueError(
+            f"scale: expected a static Python float (it is part of the compiled "
+            f"program), got {type(scale).__name__}. Pass float(scale)."
+        )
+    # Logits are float32 at best: a scale float32 cannot hold is inf there.
+    if not math.isfinite(float(scale)) or abs(float(scale)) > _FLOAT32_MAX:
+        raise ValueError(f"scale: expected a finite number within float32's range, got {scale}")
+    return float(scale)
+
+
+def _check_window(window: Any) -> tuple[int | None, int | None] | None:
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(
+            f"window: expected (left, right), each an int >= 0 or None, got {window!r}"
+        )
+    sides = []
+    for side_name, side in zip(("left", "right"), window, strict=True):
+        if side is None:
+            sides.append(None)
+            continue
+        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
+            raise ValueError(f"window: {side_name} side must be an int or None, got {side!r}")
+        if side < 0:
+            raise ValueError(
+                f"window: {side_name} side must be >= 0 (keys visible on that side "
+                f"of the diagonal), got {int(side)}"
+            )
+        sides.append(int(side))
+    if sides == [None, None]:
+        return None
+    return (sides[0], sides[1])
+
+
+def _check_softcap(softcap: Any) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise ValueError(f"softcap: expected a static float > 0 or None, got {softcap!r}")
+    if not (math.isfinite(float(softcap)) and softcap > 0):
+        raise ValueError(f"softcap: expected a finite value > 0, got {softcap}")
+    return float(softcap)
+
+
+def bind(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    segment_ids: tuple[Any, Any] | None = None,
+    q_lengths: Any = None,
+    kv_lengths: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+) -> tuple[AttentionCall, Operands]:
+    """Validate the arguments of ``attention(...)`` and normalise them.
+
+    Returns ``(call, operands)``. Raises ``ValueError`` for any bad argument.
+    """
+    _check_qkv(q, k, v)
+    b, tq, hq, d = _shape(q)
+    tk, hkv, dv = _shape(v)[1:]
+    for flag_name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise ValueError(
+                f"{flag_name}: expected a Python bool (it selects the compiled program), "
+                f"got {type(flag).__name__}. Under jit, mark it static "
+                "(static_argnames) or close over it."
+            )
+    q_ids = kv_ids = None
+    if segment_ids is not None:
+        if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+            raise ValueError(
+                "segment_ids: expected a pair (q_ids [B, Tq], kv_ids [B, Tk]), "
+                f"got {type(segment_ids).__name__}"
+            )
+        q_ids, kv_ids = segment_ids
+        _check_int_array("segment_ids[0] (q_ids)", q_ids, (b, tq))
+        _check_int_array("segment_ids[1] (kv_ids)", kv_ids, (b, tk))
+    if q_lengths is not None:
+        _check_int_array("q_lengths", q_lengths, (b,))
+    if kv_lengths is not None:
+        _check_int_array("kv_lengths", kv_lengths, (b,))
+    mask_shape = bias_shape = bias_dtype = None
+    if mask is not None:
+        mask_shape = _check_pairwise("mask", mask, b, hq, tq, tk)
+        if _dtype_name(mask) != "bool":
+            raise ValueError(
+                f"mask: expected dtype bool (True = visible), got {_dtype_name(mask)}; "
+                "for additive masks use bias="
+            )
+    if bias is not None:
+        bias_shape = _check_pairwise("bias", bias, b, hq, tq, tk)
+        bias_dtype = _dtype_name(bias)
+        if bias_dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"bias: expected dtype float32, bfloat16 or float16, got {bias_dtype}"
+            )
+    call = AttentionCall(
+        batch=b,
+        q_len=tq,
+        kv_len=tk,
+        q_heads=hq,
+        kv_heads=hkv,
+        head_dim=d,
+        v_head_dim=dv,
+        dtype=_dtype_name(q),
+        scale=_check_scale(scale, d),
+        causal=bool(causal),
+        window=_check_window(window),
+        segment_ids=segment_ids is not None,
+        q_lengths=q_lengths is not None,
+        kv_lengths=kv_lengths is not None,
+        mask_shape=mask_shape,
+        bias_shape=bias_shape,
+        bias_dtype=bias_dtype,
+        softcap=_check_softcap(softcap),
+        return_lse=bool(return_lse),
+    )
+    return call, Operands(q_ids, kv_ids, q_lengths, kv_lengths, mask, bias)

@@ -1,0 +1,184 @@
+"""The static capability manifest a backend declares, readable without a device, and
+the tiny version parsing its jax ranges need (no dependency on `packaging`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+from .call import FEATURES, AttentionCall
+
+PLATFORMS = frozenset({"cpu", "gpu", "tpu"})
+DTYPES = frozenset({"float32", "bfloat16", "float16"})
+
+
+@dataclass(frozen=True)
+class HeadDims:
+    """Which head dims (D and Dv) a backend accepts.
+
+    ``allowed``: an explicit set, or None for any; ``max``: an upper bound or
+    None; ``multiple_of``: every dim must be a multiple of it.
+    """
+
+    allowed: frozenset[int] | None = None
+    max: int | None = None
+    multiple_of: int = 1
+
+    def __post_init__(self) -> None:
+        if self.allowed is not None:
+            object.__setattr__(self, "allowed", frozenset(self.allowed))
+        if self.multiple_of < 1:
+            raise ValueError(f"HeadDims: {self.multiple_of=} must be >= 1")
+        if self.max is not None and self.max < 1:
+            raise ValueError(f"HeadDims: {self.max=} must be >= 1 or None")
+
+    def reasons(self, dim: int, what: str) -> list[str]:
+        """Why ``dim`` is not accepted (empty when it is)."""
+        out = []
+        if self.allowed is not None and dim not in self.allowed:
+            out.append(f"{what}={dim} not in supported head dims {sorted(self.allowed)}")
+        if self.max is not None and dim > self.max:
+            out.append(f"{what}={dim} exceeds the maximum head dim {self.max}")
+        if dim % self.multiple_of:
+            out.append(f"{what}={dim} is not a multiple of {self.multiple_of}")
+        return out
+
+    def describe(self) -> str:
+        parts = []
+        if self.allowed is not None:
+            parts.append("{" + ",".join(map(str, sorted(self.allowed))) + "}")
+        if self.max is not None:
+            parts.append(f"<={self.max}")
+        if self.multiple_of > 1:
+            parts.append(f"%{self.multiple_of}")
+        return " ".join(parts) or "any"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can serve. The selector and the conformance suite read it.
+
+    Feature flags (``gqa`` ... ``return_lse``) name the features of
+    :data:`attn_backends.FEATURES`; ``bias_grad`` and ``differentiable`` say
+    whether gradients w.r.t. bias and q/k/v are implemented. ``jax_versions``
+    is a range like ``">=0.10,<0.13"`` the backend was tested with.
+    """
+
+    platforms: frozenset[str]
+    dtypes: frozenset[str] = DTYPES
+    head_dims: HeadDims = field(default_factory=HeadDims)
+    gqa: bool = False
+    causal: bool = False
+    window: bool = False
+    segment_ids: bool = False
+    lengths: bool = False
+    mask: bool = False
+    bias: bool = False
+    bias_grad: bool = False
+    softcap: bool = False
+    return_lse: bool = False
+    differentiable: bool = False
+    deterministic: bool = True
+    partitionable: bool = False
+    interpret: bool = False
+    jax_versions: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "platforms", frozenset(self.platforms))
+        object.__setattr__(self, "dtypes", frozenset(self.dtypes))
+        if not self.platforms or not self.platforms <= PLATFORMS:
+            raise ValueError(
+                f"Capabilities: platforms={sorted(self.platforms)} must be a non-empty "
+                f"subset of {sorted(PLATFORMS)}"
+            )
+        if not self.dtypes or not self.dtypes <= DTYPES:
+            raise ValueError(
+                f"Capabilities: dtypes={sorted(self.dtypes)} must be a non-empty "
+                f"subset of {sorted(DTYPES)}"
+            )
+        if self.bias_grad and not self.bias:
+            raise ValueError("Capabilities: bias_grad=True needs bias=True")
+        validate_spec(self.jax_versions)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The call features (of :data:`FEATURES`) this manifest claims."""
+        return frozenset(f for f in FEATURES if getattr(self, f))
+
+    def unmet(self, call: AttentionCall, platform: str) -> list[str]:
+        """Every reason this manifest excludes ``call`` on ``platform``; empty if none."""
+        reasons = []
+        if platform not in self.platforms:
+            reasons.append(f"platform {platform!r} not in {sorted(self.platforms)}")
+        return reasons + self.unclaimed(call)
+
+    def unclaimed(self, call: AttentionCall) -> list[str]:
+        """What ``call`` uses that this manifest does not claim (dtype, head dims,
+        features), whatever the platform; empty if none."""
+        reasons = []
+        if call.dtype not in self.dtypes:
+            reasons.append(f"dtype {call.dtype} not in {sorted(self.dtypes)}")
+        reasons += self.head_dims.reasons(call.head_dim, "head_dim")
+        if call.v_head_dim != call.head_dim:
+            reasons += self.head_dims.reasons(call.v_head_dim, "v_head_dim")
+        for feature in sorted(call.features - self.features):
+            reasons.append(f"feature {feature!r} not supported")
+        return reasons
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-friendly view (sets become sorted lists)."""
+        out: dict[str, object] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, frozenset):
+                value = sorted(value)
+            elif isinstance(value, HeadDims):
+                value = value.describe()
+            out[f.name] = value
+        return out
+
+
+_RELEASE = re.compile(r"^\s*(\d+(?:\.\d+)*)")
+_CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*([0-9][0-9.]*)\s*$")
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """``"0.10.2rc1"`` -> ``(0, 10, 2)``; trailing zeros dropped so 0.10 == 0.10.0."""
+    match = _RELEASE.match(version)
+    if not match:
+        raise ValueError(f"version={version!r} is not a release number like '0.10.2'")
+    parts = [int(p) for p in match.group(1).split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def validate_spec(spec: str) -> None:
+    """Raise ValueError unless ``spec`` is like ``">=0.10,<0.13"``."""
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        if not _CLAUSE.match(clause):
+            raise ValueError(
+                f"version range clause {clause!r} in {spec!r} is not of the form "
+                "'>=0.10' (operators: >=, <=, ==, !=, >, <)"
+            )
+
+
+def in_range(version: str, spec: str) -> bool:
+    """Whether ``version`` satisfies every comma-separated clause of ``spec``."""
+    have = release_tuple(version)
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        match = _CLAUSE.match(clause)
+        if not match:
+            raise ValueError(f"bad version range {spec!r}")
+        op, bound = match.group(1), release_tuple(match.group(2))
+        ok = {
+            ">=": have >= bound,
+            "<=": have <= bound,
+            ">": have > bound,
+            "<": have < bound,
+            "==": have == bound,
+            "!=": have != bound,
+        }[op]
+        if not ok:
+            return False
+    return True

@@ -1,0 +1,156 @@
+"""One probe run: the backend on its canonical probe call, against the float64 oracle.
+
+Compares the output, lse (when the call returns it) and every gradient the
+backend declares (dq, dk, dv, and dbias with ``bias_grad``) with
+:func:`attn_backends.tolerances.compare`, the one comparison and tolerance
+table shared with the conformance suite, with the size of the terms summed
+into each element as its scale (:func:`attn_backends.oracle.magnitudes`).
+So a gradient that is zero in exact arithmetic (a row that sees one key)
+is not read as a large relative error, while a wrong mask, a lost rescale or
+an overwritten accumulator (errors of the order of the terms) still is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ..contract.backend import Backend
+from ..contract.call import AttentionCall, Operands
+from . import call as _probe_call
+from . import oracle
+from .tolerances import compare, tolerance
+
+#: Outputs in the order they are reported.
+ORDER = ("out", "lse", "dq", "dk", "dv", "dbias")
+
+
+def probe_call(backend: Backend, call: AttentionCall) -> AttentionCall | None:
+    """The canonical call for ``call``, scaled up until ``backend.check`` accepts it."""
+    for scale_up in _probe_call.SCALE_UPS:
+        small = _probe_call.canonical(call, scale_up)
+        if not backend.check(small):
+            return small
+    return None
+
+
+def _oracle_results(
+    call: AttentionCall, data: dict[str, Any], grads: tuple[str, ...]
+) -> tuple[dict, dict]:
+    ops = dict(data["operands"])
+    kwargs = dict(scale=call.scale, causal=call.causal, window=call.window, softcap=call.softcap,
+                  **ops)
+    q, k, v, d_out = data["q"], data["k"], data["v"], data["d_out"]
+    out, lse = oracle.attention(q, k, v, **kwargs)
+    want: dict[str, Any] = {"out": out}
+    if call.return_lse:
+        want["lse"] = lse
+    if grads:
+        vjp = oracle.attention_vjp(q, k, v, d_out, d_lse=data["d_lse"], **kwargs)
+        want.update({f"d{name}": vjp[name] for name in grads})
+    scale = oracle.magnitudes(q, k, v, d_out, d_lse=data["d_lse"], **kwargs)
+    return want, {name: scale[name] for name in want}
+
+
+def _backend_results(
+    backend: Backend, call: AttentionCall, data: dict[str, Any], grads: tuple[str, ...],
+    option_sets: list[Any],
+) -> list[dict[str, Any]]:
+    """The backend's outputs (and gradients) under each of ``option_sets``.
+
+    Two programs, each covering every option set: the forward alone (what
+    inference compiles) and, when ``grads``, forward and backward together
+    (what training compiles). They are compiled apart on purpose: XLA
+    optimises each program as a whole, so a kernel can be right in one and
+    wrong in the other, and a custom_vjp backend runs other code under vjp.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    names = ("q", "k", "v") + (("bias",) if "bias" in grads else ())
+    primals = [jnp.asarray(data["operands"]["bias"] if n == "bias" else data[n]) for n in names]
+    cotangents = (jnp.asarray(data["d_out"]),) + (
+        (jnp.asarray(data["d_lse"]),) if call.return_lse else ())
+
+    def attend(options: Any, ops: Operands, xs: tuple[Any, ...]) -> Any:
+        named = dict(zip(names, xs, strict=True))
+        operands = ops._replace(bias=named["bias"]) if "bias" in named else ops
+        return backend.attend(call, named["q"], named["k"], named["v"], operands, options)
+
+    def outputs(result: Any, suffix: str = "") -> dict[str, Any]:
+        if call.return_lse:
+            return {f"out{suffix}": result[0], f"lse{suffix}": result[1]}
+        return {f"out{suffix}": result}
+
+    # Every array is an argument of the jitted functions: as closure constants
+    # XLA would constant-fold the whole probe at compile time (seconds).
+    def forward(ops: Operands, *arrays: Any) -> list[dict[str, Any]]:
+        return [outputs(attend(options, ops, arrays)) for options in option_sets]
+
+    def training(ops: Operands, cotangent: tuple[Any, ...], *arrays: Any) -> list[dict[str, Any]]:
+        got = []
+        for options in option_sets:
+            result, vjp = jax.vjp(lambda *xs, opts=options: attend(opts, ops, xs), *arrays)
+            ct = cotangent if call.return_lse else cotangent[0]
+            d = dict(zip((f"d{n}" for n in names), vjp(ct), strict=True))
+            got.append({**outputs(result, "_vjp"), **d})
+        return got
+
+    ops = _probe_call.operands(data["operands"])
+    results = jax.jit(forward)(ops, *primals)
+    if grads:
+        # Not even linearised without grads: a backend without gradients may not allow it.
+        trained = jax.jit(training)(ops, cotangents, *primals)
+        results = [{**a, **b} for a, b in zip(results, trained, strict=True)]
+    return [{name: np.asarray(x, np.float64) for name, x in r.items()} for r in results]
+
+
+def run_probe(
+    backend: Backend, call: AttentionCall, platform: str, options: Any = None
+) -> list[str] | None:
+    """Run ``backend`` on the canonical probe call of ``call`` and compare with the oracle.
+
+    ``options`` are the caller's options for this backend. When the backend
+    declares small-tile options (:meth:`Backend.tile_small_options`), it also
+    runs under those, so a probe of a few dozen tokens crosses several of its
+    tiles. Returns the reasons it disagrees (empty: it agrees), or None when
+    its ``check`` rejects every probe shape (nothing to compare).
+    """
+    import jax
+
+    small = probe_call(backend, call)
+    if small is None:
+        return None
+    caps = backend.capabilities
+    grads: tuple[str, ...] = ()
+    if caps.differentiable:
+        with_bias = small.bias_shape is not None and caps.bias_grad
+        grads = ("q", "k", "v") + (("bias",) if with_bias else ())
+    data = _probe_call.inputs(small)
+    # Rows with no visible key are -inf - -inf in the oracle's lse algebra: by
+    # design, so NumPy must not warn (callers may turn warnings into errors).
+    with np.errstate(invalid="ignore", divide="ignore"):
+        want, scale = _oracle_results(small, data, grads)
+    runs = [("", options)]
+    tiled = backend.tile_small_options(small)
+    if tiled is not None:
+        runs.append((" under its small-tile options", tiled))
+    reasons = []
+    # The backend learns the platform the probe is lowered for, as core's calls say it.
+    target = dataclasses.replace(small, platform=platform)
+    with jax.default_device(jax.devices(platform)[0]):
+        results = _backend_results(backend, target, data, grads, [opts for _, opts in runs])
+    for (label, _), got in zip(runs, results, strict=True):
+        for what in (name for name in ORDER if name in want):
+            tol = tolerance(small.dtype, what, platform=platform)
+            wrong = compare(what, got.get(what), want[what], tol, scale[what])
+            if wrong is not None:
+                reasons.append(f"probe{label}: {wrong}, on {small.describe()}")
+            elif f"{what}_vjp" in got:  # said once when both programs are wrong
+                wrong = compare(what, got[f"{what}_vjp"], want[what], tol, scale[what])
+                if wrong is not None:
+                    reasons.append(f"probe{label}, forward under jax.vjp: {wrong}, "
+                                   f"on {small.describe()}")
+    return reasons

@@ -1,0 +1,147 @@
+"""bind(): every "Bad calls" row of FAULTS.md raises ValueError naming the argument."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attn_backends import AttentionCall, bind
+
+Q = jnp.zeros((2, 6, 4, 8))
+K = jnp.zeros((2, 10, 2, 8))
+V = jnp.zeros((2, 10, 2, 16))
+
+
+def test_normalises_into_a_frozen_hashable_call():
+    call, ops = bind(Q, K, V, causal=True, window=(3, None), return_lse=True)
+    assert call == AttentionCall(
+        batch=2, q_len=6, kv_len=10, q_heads=4, kv_heads=2, head_dim=8, v_head_dim=16,
+        dtype="float32", scale=8**-0.5, causal=True, window=(3, None), return_lse=True,
+    )
+    assert hash(call) == hash(bind(Q, K, V, causal=True, window=(3, None), return_lse=True)[0])
+    assert call.group == 2 and call.offset == 4
+    assert call.features == {"gqa", "causal", "window", "return_lse"}
+    with pytest.raises(AttributeError):
+        call.causal = False  # type: ignore[misc]
+    assert ops.mask is None and ops.bias is None
+
+
+def test_window_of_two_unbounded_sides_is_no_window():
+    assert bind(Q, K, V, window=(None, None))[0].window is None
+
+
+def test_shape_dtype_structs_bind_without_data():
+    sds = jax.ShapeDtypeStruct
+    call, _ = bind(sds((1, 3, 2, 4), jnp.bfloat16), sds((1, 5, 1, 4), jnp.bfloat16),
+                   sds((1, 5, 1, 4), jnp.bfloat16))
+    assert call.dtype == "bfloat16" and call.group == 2
+
+
+def _raises(match: str, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        bind(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "q,k,v,match",
+    [
+        (jnp.zeros((2, 6, 8)), K, V, r"q: expected rank 4 .* got shape \(2, 6, 8\)"),
+        (Q, K, jnp.zeros((2, 10, 2, 16, 1)), r"v: expected rank 4"),
+        # BHTD passed where BTNH is expected: heads and lengths swap places.
+        (jnp.zeros((2, 4, 6, 8)), jnp.zeros((2, 2, 10, 8)), jnp.zeros((2, 2, 10, 8)),
+         r"heads: expected q heads Hq=6 to be a multiple of kv heads Hkv=10.*transpose"),
+        (jnp.zeros((2, 6, 3, 8)), K, V,
+         r"heads: expected q heads Hq=3 to be a multiple of kv heads Hkv=2"),
+        (Q, jnp.zeros((2, 10, 2, 7)), V, r"k: expected head dim D=8 \(from q\), got 7"),
+        (Q, K, jnp.zeros((2, 9, 2, 16)), r"k, v: expected the same length Tk, got 10 and 9"),
+        (Q, K, jnp.zeros((2, 10, 1, 16)), r"k, v: expected the same kv heads, got 2 and 1"),
+        (Q, jnp.zeros((3, 10, 2, 8)), jnp.zeros((3, 10, 2, 16)),
+         r"batch: expected q, k, v to share B, got 2, 3, 3"),
+        (jnp.zeros((2, 6, 4, 0)), jnp.zeros((2, 10, 2, 0)), V,
+         r"q: expected at least one head and a head dim >= 1, got Hq=4, D=0"),
+        (jnp.zeros((2, 6, 0, 8)), K, V,
+         r"q: expected at least one head and a head dim >= 1, got Hq=0, D=8"),
+        # Abstract shapes can hold what no array can: found before any backend or probe runs.
+        (jax.ShapeDtypeStruct((2, -6, 4, 8), jnp.float32), K, V,
+         r"q: expected sizes >= 0, got shape \[2, -6, 4, 8\]"),
+        (Q, K, jax.ShapeDtypeStruct((2, 10, 2, -3), jnp.float32),
+         r"v: expected sizes >= 0, got shape \[2, 10, 2, -3\]"),
+    ],
+)
+def test_bad_shapes(q, k, v, match):
+    _raises(match, q, k, v)
+
+
+def test_mixed_dtypes():
+    _raises(r"q, k, v: expected one dtype, got q=float32, k=bfloat16, v=float32",
+            Q, K.astype(jnp.bfloat16), V)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32])
+def test_integer_and_float64_inputs(dtype):
+    q = np.zeros((2, 6, 4, 8), dtype)
+    _raises(rf"q: expected dtype float32, bfloat16 or float16, got {np.dtype(dtype).name}", q, q, q)
+
+
+def test_not_an_array():
+    _raises(r"q: expected an array .* got list", [[1.0]], K, V)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"mask": jnp.ones((2, 4, 6, 9), bool)},
+         r"mask: expected shape \[B\|1, Hq\|1, Tq, Tk\] = \[2\|1, 4\|1, 6, 10\], "
+         r"got \[2, 4, 6, 9\]"),
+        ({"mask": jnp.ones((2, 2, 6, 10), bool)}, r"mask: expected shape .* got \[2, 2, 6, 10\]"),
+        ({"mask": jnp.ones((6, 10), bool)}, r"mask: expected shape .* got \[6, 10\]"),
+        ({"mask": jnp.ones((1, 1, 6, 10), jnp.float32)},
+         r"mask: expected dtype bool .* got float32"),
+        ({"bias": jnp.ones((3, 4, 6, 10))}, r"bias: expected shape .* got \[3, 4, 6, 10\]"),
+        ({"bias": jnp.ones((1, 1, 6, 10), jnp.int32)},
+         r"bias: expected dtype float32, bfloat16 or float16, got int32"),
+        ({"segment_ids": jnp.zeros((2, 6), jnp.int32)}, r"segment_ids: expected a pair"),
+        ({"segment_ids": (jnp.zeros((2, 6), jnp.int32), jnp.zeros((2, 9), jnp.int32))},
+         r"segment_ids\[1\] \(kv_ids\): expected shape \[2, 10\], got \[2, 9\]"),
+        ({"segment_ids": (jnp.zeros((2, 6)), jnp.zeros((2, 10), jnp.int32))},
+         r"segment_ids\[0\] \(q_ids\): expected an integer dtype, got float32"),
+        ({"kv_lengths": jnp.zeros((3,), jnp.int32)},
+         r"kv_lengths: expected shape \[2\], got \[3\]"),
+        ({"q_lengths": jnp.zeros((2,), jnp.float32)},
+         r"q_lengths: expected an integer dtype, got float32"),
+        ({"window": (-1, 4)}, r"window: left side must be >= 0 .* got -1"),
+        ({"window": (4, -2)}, r"window: right side must be >= 0 .* got -2"),
+        ({"window": 5}, r"window: expected \(left, right\)"),
+        ({"window": (1.5, 2)}, r"window: left side must be an int or None, got 1.5"),
+        ({"softcap": 0.0}, r"softcap: expected a finite value > 0, got 0.0"),
+        ({"softcap": -3.0}, r"softcap: expected a finite value > 0, got -3.0"),
+        ({"scale": float("nan")},
+         r"scale: expected a finite number within float32.s range, got nan"),
+        ({"scale": float("inf")},
+         r"scale: expected a finite number within float32.s range, got inf"),
+        ({"scale": 1e39},
+         r"scale: expected a finite number within float32's range, got 1e\+39"),
+        ({"scale": jnp.float32(0.5)}, r"scale: expected a static Python float"),
+        ({"causal": 1},
+         r"causal: expected a Python bool .* got int\. Under jit, mark it static"),
+    ],
+)
+def test_bad_optional_arguments(kwargs, match):
+    _raises(match, Q, K, V, **kwargs)
+
+
+def test_traced_scale_is_rejected_with_a_fix():
+    def f(scale):
+        return bind(Q, K, V, scale=scale)
+
+    with pytest.raises(
+        ValueError, match=r"scale: expected a static Python float .* Pass float\(scale\)"
+    ):
+        jax.jit(f)(0.5)
+
+
+def test_broadcast_mask_and_bias_shapes_are_accepted():
+    call, _ = bind(Q, K, V, mask=jnp.ones((1, 4, 6, 10), bool), bias=jnp.zeros((2, 1, 6, 10)))
+    assert call.mask_shape == (1, 4, 6, 10) and call.bias_shape == (2, 1, 6, 10)
+    assert {"mask", "bias"} <= call.features

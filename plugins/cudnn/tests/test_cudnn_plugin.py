@@ -12,6 +12,7 @@ import sys
 
 import attn_backend_cudnn._plugin as plugin
 import attn_backends
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -106,10 +107,21 @@ def test_hopper_serves_large_head_dims(cudnn_present, monkeypatch):
         (dict(d=12), "head_dim=12"),
     ],
 )
-def test_unclaimed_raise_from_attend(cudnn_present, kw, word):
-    call, operands, (q, k, v) = _bind(**kw)
+def test_core_refuses_the_unclaimed_before_attend(cudnn_present, monkeypatch, kw, word):
+    """The manifest alone excludes these (attend keeps no copy of it): selection
+    for gpu refuses them, on a machine with or without one."""
+    dtype, d = kw.pop("dtype", "bfloat16"), kw.pop("d", 64)
+    q = jnp.zeros((1, 8, 4, d), dtype)
+    kv = jnp.zeros((1, 8, 2, d), dtype)
+
+    def attend(*args, **kwargs):
+        raise AssertionError("core handed attend a call the manifest excludes")
+
+    monkeypatch.setattr(CudnnBackend, "attend", attend)
+    registry = attn_backends.Registry(only=["cudnn"], probe=None)
+    attention = registry.get(device="gpu", backend="cudnn")
     with pytest.raises(attn_backends.UnsupportedError, match=word):
-        BACKEND.attend(call, q, k, v, operands)
+        jax.eval_shape(lambda q, k, v: attention(q, k, v, **kw), q, kv, kv)
 
 
 def _gpu_explain(**kw):

@@ -105,21 +105,29 @@ def test_registry_on_cpu_rejects_without_switch_and_names_it(flash_pallas_env_of
 @pytest.mark.parametrize(
     "kw, word",
     [
-        (dict(mask=np.ones((1, 1, 8, 8), bool)), "mask"),
-        (dict(bias=np.zeros((1, 2, 8, 8), np.float32)), "bias"),
-        (dict(dtype="float16"), "float16"),
+        (dict(mask=np.ones((1, 1, 8, 8), bool)), "feature 'mask'"),
+        (dict(bias=np.zeros((1, 2, 8, 8), np.float32)), "feature 'bias'"),
+        (dict(dtype="float16"), "dtype float16"),
         (dict(d=32), "head_dim=32"),
         (dict(d=320), "head_dim=320"),
     ],
 )
-def test_unsupported_raise_unsupported_error(kw, word):
-    dtype = kw.pop("dtype", "float32")
-    d = kw.pop("d", 64)
-    call, operands, (q, k, v) = _bind(dtype=dtype, d=d, **kw)
-    with pytest.raises(attn_backends.UnsupportedError, match=word):
-        BACKEND.attend(call, q, k, v, operands)
-    if word in ("mask", "bias", "float16"):
-        assert any(word in r for r in BACKEND.check(call))
+def test_core_refuses_what_the_manifest_excludes_before_attend(monkeypatch, kw, word):
+    """The manifest alone excludes these: the backend keeps no check() nor attend() copy."""
+    dtype, d = kw.pop("dtype", "float32"), kw.pop("d", 64)
+    q = jnp.zeros((1, 8, 2, d), dtype)
+    k = jnp.zeros((1, 8, 1, d), dtype)
+
+    def attend_must_not_run(*args, **kwargs):
+        raise AssertionError("attend ran for a call the manifest excludes")
+
+    monkeypatch.setattr(FlashPallasBackend, "attend", attend_must_not_run)
+    registry = attn_backends.Registry(only=["flash_pallas"], probe=None)
+    with interpret_mode():
+        attention = registry.get(device="cpu", backend="flash_pallas")
+        assert BACKEND.check(attn_backends.bind(q, k, k, **kw)[0]) == []
+        with pytest.raises(attn_backends.UnsupportedError, match=word):
+            attention(q, k, k, **kw)
 
 
 def test_block_sizes_validate_themselves():

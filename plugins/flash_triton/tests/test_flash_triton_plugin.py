@@ -112,10 +112,16 @@ def test_check_declines_what_the_kernel_cannot(kw, word):
         (dict(return_lse=True), "return_lse"),
     ],
 )
-def test_unclaimed_features_raise_from_attend(kw, feature):
-    call, operands, (q, k, v) = _bind(**kw)
-    with pytest.raises(attn_backends.UnsupportedError, match=feature):
-        BACKEND.attend(call, q, k, v, operands)
+def test_core_refuses_unclaimed_features_before_attend(monkeypatch, kw, feature):
+    call, _, (q, k, v) = _bind(**kw)
+    attended = []
+    monkeypatch.setattr(FlashTritonBackend, "attend", lambda *args, **kw: attended.append(args))
+    with interpret_mode():
+        attention = attn_backends.Registry(only=["flash_triton"], probe=None).get(
+            device="cpu", backend="flash_triton")
+        with pytest.raises(attn_backends.UnsupportedError, match=f"feature '{feature}'"):
+            attention(q, k, v, **kw)
+    assert attended == [] and BACKEND.check(call) == []
 
 
 def test_gpu_explain_ranks_flash_triton_over_the_plain_jax_backends():

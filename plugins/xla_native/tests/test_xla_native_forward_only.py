@@ -9,13 +9,12 @@ the forward.
 
 from __future__ import annotations
 
+import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attn_backends_contracts._oracle import attention
-
-import attn_backends as ab
 
 # (Tq, Hq, Hkv, Tk): the calls that were wrong, and a blockwise one beside them.
 CALLS = [(6, 8, 2, 16), (1, 8, 2, 40), (1, 8, 2, 300), (6, 2, 2, 300), (9, 8, 2, 77)]

@@ -93,7 +93,8 @@ def test_block_config_defaults() -> None:
 
 def test_options_must_be_a_block_config() -> None:
     x = jnp.zeros((1, 4, 1, 8))
-    with pytest.raises(ValueError, match="options must be .*BlockConfig.*got dict"):
+    expected = "options: expected attn_backend_xla_native.BlockConfig or None, got dict"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         _attend(x, x, x, options={"block_q": 8})
 
 

@@ -6,30 +6,23 @@ cuDNN, ``attend`` builds the call.
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any, ClassVar
 
 import attn_backends
-from attn_backends import AttentionCall, Backend, Capabilities, HeadDims, Operands
+from attn_backends import AttentionCall, Backend, HeadDims, Operands
+from attn_backends.authoring import distribution_version, manifest, refuse
 
 from ._environment import HOW_TO_INSTALL, cudnn_version, local_compute_capability
 
-_DISTRIBUTION = "attn-backend-cudnn"
 #: Head dims above this need Hopper (compute capability 9.0) or later.
 PRE_HOPPER_MAX_HEAD_DIM = 128
 
-MANIFEST = Capabilities(
-    platforms=frozenset({"gpu"}),
+MANIFEST = manifest(
+    platforms={"gpu"},
+    features={"gqa", "causal", "window", "segment_ids", "lengths", "mask", "bias"},
     # cuDNN's flash attention (what jax.nn calls) takes float16 and bfloat16 only.
     dtypes=frozenset({"bfloat16", "float16"}),
     head_dims=HeadDims(max=256, multiple_of=8),
-    gqa=True,
-    causal=True,
-    window=True,
-    segment_ids=True,
-    lengths=True,
-    mask=True,
-    bias=True,
     # jax.nn asks cuDNN for dbias of any bias shape; which shapes cuDNN really
     # differentiates varies with its version, and none was checked on a GPU here.
     bias_grad=False,
@@ -41,13 +34,6 @@ MANIFEST = Capabilities(
 )
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version(_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
 class CudnnBackend(Backend):
     """``jax.nn.dot_product_attention(implementation="cudnn")`` with the contract's semantics.
 
@@ -55,7 +41,7 @@ class CudnnBackend(Backend):
     """
 
     name = "cudnn"
-    version = _version()
+    version = distribution_version("attn-backend-cudnn")
     capabilities = MANIFEST
     priority = {"gpu": 100}
     #: cuDNN's fused-attention custom calls (``__cudnn$fmhaSoftmax``, ...).
@@ -96,28 +82,18 @@ class CudnnBackend(Backend):
             )
         return reasons + self.environment_reasons(call)
 
-    def attend(
-        self,
-        call: AttentionCall,
-        q: Any,
-        k: Any,
-        v: Any,
-        operands: Operands,
-        options: Any = None,
-    ) -> Any:
-        """q ``[B, Tq, Hq, D]``, k and v ``[B, Tk, Hkv, D]`` -> out ``[B, Tq, Hq, D]``."""
-        caps = self.capabilities
-        reasons = [f"feature {f!r} not supported" for f in sorted(call.features - caps.features)]
-        if call.dtype not in caps.dtypes:
-            reasons.append(f"dtype {call.dtype}: cuDNN attention takes {sorted(caps.dtypes)}")
-        reasons += caps.head_dims.reasons(call.head_dim, "head_dim")
-        reasons += self.check(call)
+    def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
+               options: Any = None) -> Any:
+        """q ``[B, Tq, Hq, D]``, k and v ``[B, Tk, Hkv, D]`` -> out ``[B, Tq, Hq, D]``.
+
+        Core has refused whatever the manifest does not claim before this runs.
+        What ``check`` declines (the registry never sends it) is refused here
+        too, for code that calls ``attend`` directly, and so are options.
+        """
+        reasons = self.check(call)
         if options is not None:
             reasons.append(f"options: cudnn takes none, got {type(options).__name__}")
-        if reasons:
-            raise attn_backends.UnsupportedError(
-                f"cudnn cannot serve {call.describe()}: " + "; ".join(dict.fromkeys(reasons))
-            )
+        refuse(self.name, call, reasons)
         from ._adapter import run
 
         return run(call, q, k, v, operands, self.implementation)

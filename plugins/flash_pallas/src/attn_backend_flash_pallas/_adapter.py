@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from attn_backends import AttentionCall, Operands
+from attn_backends.authoring import resolve_options
 
 from . import _masks, _sanitize
 from ._config import SplashBlockSizes
@@ -34,17 +35,12 @@ def resolve_blocks(call: AttentionCall, options: Any, interpret: bool) -> Splash
     The default follows this host's TPU; without one it is the generic TPU row,
     or the small interpret row when interpret mode is on.
     """
-    if options is None:
+
+    def default() -> SplashBlockSizes:
         kind = local_tpu_kind()
-        if kind is None and interpret:
-            kind = "cpu"
-        return SplashBlockSizes.default_for(call, kind)
-    if not isinstance(options, SplashBlockSizes):
-        raise ValueError(
-            "options: expected attn_backend_flash_pallas.SplashBlockSizes or None, "
-            f"got {type(options).__name__}"
-        )
-    return options
+        return SplashBlockSizes.default_for(call, "cpu" if kind is None and interpret else kind)
+
+    return resolve_options(options, SplashBlockSizes, default)
 
 
 def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands, options: Any) -> Any:

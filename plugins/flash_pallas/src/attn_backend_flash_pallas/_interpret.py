@@ -16,39 +16,17 @@ before the first call of a given shape.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
+from attn_backends.authoring import InterpretSwitch
 
-import attn_backends
-
-ENV_VAR = "ATTN_BACKENDS_PALLAS_INTERPRET"
-#: How error messages and reasons tell a user to turn the switch on.
-HOW_TO_ENABLE = (
-    f"set {ENV_VAR}=1 or wrap the call in attn_backend_flash_pallas.interpret_mode() "
-    "to run the Pallas TPU kernels emulated on cpu (slow; for tests)"
+SWITCH = InterpretSwitch(
+    "ATTN_BACKENDS_PALLAS_INTERPRET",
+    package="attn_backend_flash_pallas",
+    kernel="the Pallas TPU kernels",
+    mode_name="Pallas TPU interpret mode",
 )
-
-_forced: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "attn_backend_flash_pallas_interpret", default=None
-)
-
-
-def interpret_enabled() -> bool:
-    """Whether cpu runs the kernels in Pallas' interpreter (so the backend serves cpu)."""
-    forced = _forced.get()
-    return attn_backends.env_flag(ENV_VAR) if forced is None else forced
-
-
-@contextlib.contextmanager
-def interpret_mode(enabled: bool = True) -> Iterator[None]:
-    """Run the Pallas TPU kernels emulated on CPU inside this block (or forbid it).
-
-    ``interpret_mode(False)`` turns the switch off inside the block even when the
-    environment variable is set. Nesting restores the outer state on exit.
-    """
-    token = _forced.set(bool(enabled))
-    try:
-        yield
-    finally:
-        _forced.reset(token)
+ENV_VAR = SWITCH.env_var
+#: Whether cpu runs the kernels in Pallas' interpreter (so the backend serves cpu).
+interpret_enabled = SWITCH.enabled
+#: ``with interpret_mode(): ...`` runs the kernels emulated on CPU inside the block;
+#: ``interpret_mode(False)`` forbids it there even when the variable is set.
+interpret_mode = SWITCH.mode

@@ -19,6 +19,7 @@ import warnings
 from typing import Any
 
 from attn_backends import AttentionCall, Operands
+from attn_backends.authoring import resolve_options
 
 from ._config import TritonBlockSizes
 from ._interpret import interpret_enabled
@@ -38,14 +39,8 @@ def kernel_module() -> Any:
 
 def resolve_blocks(call: AttentionCall, options: Any, interpret: bool) -> TritonBlockSizes:
     """``options`` when given (must be a :class:`TritonBlockSizes`), else the default."""
-    if options is None:
-        return TritonBlockSizes.default_for(call, interpret)
-    if not isinstance(options, TritonBlockSizes):
-        raise ValueError(
-            "options: expected attn_backend_flash_triton.TritonBlockSizes or None, "
-            f"got {type(options).__name__}"
-        )
-    return options
+    return resolve_options(options, TritonBlockSizes,
+                           lambda: TritonBlockSizes.default_for(call, interpret))
 
 
 def _kernel(call: AttentionCall, blocks: TritonBlockSizes, interpret: bool) -> Any:

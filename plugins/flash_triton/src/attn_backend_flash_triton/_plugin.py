@@ -5,67 +5,30 @@ Importing this module imports no kernel: ``attend`` imports it on first use.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.metadata
 from typing import Any
 
 import attn_backends
-from attn_backends import AttentionCall, Backend, Capabilities, HeadDims, Operands
+from attn_backends import AttentionCall, Backend, HeadDims, Operands
+from attn_backends.authoring import distribution_version, manifest, refuse
 
-from ._interpret import HOW_TO_ENABLE, interpret_enabled
+from ._interpret import SWITCH, interpret_enabled
 
-_DISTRIBUTION = "attn-backend-flash-triton"
-
-
-@dataclasses.dataclass(frozen=True)
-class _TritonCapabilities(Capabilities):
-    """A manifest whose cpu rejection says how to turn interpret mode on."""
-
-    def unmet(self, call: AttentionCall, platform: str) -> list[str]:
-        reasons = super().unmet(call, platform)
-        if platform == "cpu" and "cpu" not in self.platforms:
-            reasons = [
-                f"{r} (Pallas Triton interpret mode is off: {HOW_TO_ENABLE})"
-                if r.startswith("platform ") else r
-                for r in reasons
-            ]
-        return reasons
-
-
-def _manifest(interpret: bool) -> Capabilities:
-    # Exactly what the conformance suite certifies in interpret mode (CI, both
-    # jax lines) and what tests/ export for cuda; see the README for the rest.
-    return _TritonCapabilities(
-        platforms=frozenset({"gpu", "cpu"} if interpret else {"gpu"}),
-        dtypes=frozenset({"float32", "bfloat16", "float16"}),
-        # Triton's dot needs >= 16 along each side; D is padded to a power of
-        # two inside the kernel; above 128 the default tiles outgrow shared memory.
-        head_dims=HeadDims(max=128, multiple_of=16),
-        gqa=True,
-        causal=True,
-        differentiable=True,
-        deterministic=True,
-        partitionable=False,
-        interpret=True,
-        jax_versions=">=0.10,<0.13",
-    )
-
-
-_MANIFESTS = {flag: _manifest(flag) for flag in (False, True)}
-
-
-class _SwitchedManifest:
-    """``capabilities`` read on the class or an instance: serves cpu only in interpret mode."""
-
-    def __get__(self, obj: object, owner: type | None = None) -> Capabilities:
-        return _MANIFESTS[interpret_enabled()]
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version(_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
+#: The manifest without the cpu that interpret mode adds. Exactly what the
+#: conformance suite certifies in interpret mode (CI, both jax lines) and what
+#: tests/ export for cuda; see the README for the rest.
+MANIFEST = manifest(
+    platforms={"gpu"},
+    features={"gqa", "causal"},
+    dtypes=frozenset({"float32", "bfloat16", "float16"}),
+    # Triton's dot needs >= 16 along each side; D is padded to a power of
+    # two inside the kernel; above 128 the default tiles outgrow shared memory.
+    head_dims=HeadDims(max=128, multiple_of=16),
+    differentiable=True,
+    deterministic=True,
+    partitionable=False,
+    interpret=True,
+    jax_versions=">=0.10,<0.13",
+)
 
 
 class FlashTritonBackend(Backend):
@@ -76,8 +39,9 @@ class FlashTritonBackend(Backend):
     """
 
     name = "flash_triton"
-    version = _version()
-    capabilities = _SwitchedManifest()  # type: ignore[assignment]
+    version = distribution_version("attn-backend-flash-triton")
+    #: MANIFEST, plus cpu while interpret mode is on.
+    capabilities = SWITCH.capabilities(MANIFEST)  # type: ignore[assignment]
     priority = {"gpu": 80, "cpu": 10}
     #: The kernel's pallas_call name: in the Triton custom call's config on gpu,
     #: in the interpreted program's op names on cpu; absent from any fallback.
@@ -97,23 +61,16 @@ class FlashTritonBackend(Backend):
             )
         return reasons
 
-    def attend(
-        self,
-        call: AttentionCall,
-        q: Any,
-        k: Any,
-        v: Any,
-        operands: Operands,
-        options: Any = None,
-    ) -> Any:
-        """q ``[B, T, Hq, D]``, k and v ``[B, T, Hkv, D]`` -> out ``[B, T, Hq, D]``."""
-        caps = self.capabilities
-        reasons = [f"feature {f!r} not supported" for f in sorted(call.features - caps.features)]
-        reasons += self.check(call) + caps.head_dims.reasons(call.head_dim, "head_dim")
-        if reasons:
-            raise attn_backends.UnsupportedError(
-                f"flash_triton cannot serve {call.describe()}: " + "; ".join(reasons)
-            )
+    def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
+               options: Any = None) -> Any:
+        """q ``[B, T, Hq, D]``, k and v ``[B, T, Hkv, D]`` -> out ``[B, T, Hq, D]``.
+
+        Core has refused whatever the manifest does not claim before this runs.
+        What ``check`` declines (the registry never sends it) is refused here
+        too, for code that calls ``attend`` directly: the adapter assumes
+        Tq == Tk and Dv == D.
+        """
+        refuse(self.name, call, self.check(call))
         from ._adapter import run
 
         return run(call, q, k, v, operands, options)

@@ -6,7 +6,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
 from attn_backends import AttentionCall, Operands
 
 _HIGHEST = jax.lax.Precision.HIGHEST

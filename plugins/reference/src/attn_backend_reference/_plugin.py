@@ -2,45 +2,25 @@
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Any
 
-from attn_backends import AttentionCall, Backend, Capabilities, Operands, hookimpl
+from attn_backends import FEATURES, PLATFORMS, AttentionCall, Backend, Operands, hookimpl
+from attn_backends.authoring import distribution_version, manifest
 
 
 class ReferenceBackend(Backend):
     """Dense attention in float32: every feature, every platform, lowest priority."""
 
     name = "reference"
-    version = metadata.version("attn-backend-reference")
-    capabilities = Capabilities(
-        platforms=frozenset({"cpu", "gpu", "tpu"}),
-        gqa=True,
-        causal=True,
-        window=True,
-        segment_ids=True,
-        lengths=True,
-        mask=True,
-        bias=True,
-        bias_grad=True,
-        softcap=True,
-        return_lse=True,
-        differentiable=True,
-        deterministic=True,
-        partitionable=True,
-        jax_versions=">=0.10",
-    )
+    version = distribution_version("attn-backend-reference")
+    # Every feature on every platform, any dtype and head dim, with every gradient.
+    capabilities = manifest(platforms=PLATFORMS, features=FEATURES, bias_grad=True,
+                            differentiable=True, partitionable=True, jax_versions=">=0.10")
     priority = {"cpu": 0, "gpu": 0, "tpu": 0}
 
-    def attend(
-        self,
-        call: AttentionCall,
-        q: Any,
-        k: Any,
-        v: Any,
-        operands: Operands,
-        options: Any = None,
-    ) -> Any:
+    def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
+               options: Any = None) -> Any:
+        """Dense attention; takes no ``options`` (ignored)."""
         from ._dense import dense_attention
 
         return dense_attention(call, q, k, v, operands)

@@ -170,7 +170,7 @@ def _forward_prefix(
     """Out ``[B, Hkv, G, Tq, Dv]`` and lse ``[B, Hkv, G, Tq]`` (float32) of
     keys ``[0, length)``: every chunk's statistics, merged by lse."""
     stats = [_chunk_stats(plan, piece, q_r, k, v, bias, ops) for piece in plan.segments(length)]
-    m, total, o = (jnp.concatenate(x, axis=1) for x in zip(*stats))
+    m, total, o = (jnp.concatenate(x, axis=1) for x in zip(*stats, strict=True))
     top = m.max(axis=1)
     top_safe = jnp.where(jnp.isneginf(top), 0.0, top)
     weight = jnp.exp(m - top_safe[:, None])
@@ -190,7 +190,9 @@ def _pad_keys(x: Array, size: int) -> Array:
 
 def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
     """Sum the broadcast axes of ``x`` down to ``shape`` (same rank)."""
-    axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
+    axes = tuple(
+        i for i, (a, b) in enumerate(zip(x.shape, shape, strict=True)) if b == 1 and a != 1
+    )
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 

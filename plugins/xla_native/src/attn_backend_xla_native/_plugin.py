@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _dist_version
 from typing import Any
 
 import attn_backends
-from attn_backends import AttentionCall, Backend, Capabilities, Operands
+from attn_backends import FEATURES, PLATFORMS, AttentionCall, Backend, Operands
+from attn_backends.authoring import distribution_version, manifest, resolve_options
 
 from ._config import BlockConfig
-
-try:
-    _VERSION = _dist_version("attn-backend-xla-native")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    _VERSION = "0+unknown"
-
-
 
 #: Platforms BlockConfig has default blocks for.
 _BLOCK_PLATFORMS = ("cpu", "gpu", "tpu")
@@ -32,56 +24,36 @@ class XlaNativeBackend(Backend):
     """
 
     name = "xla_native"
-    version = _VERSION
+    version = distribution_version("attn-backend-xla-native")
     api_version = 1
-    capabilities = Capabilities(
-        platforms=frozenset({"cpu", "gpu", "tpu"}),
-        gqa=True,
-        causal=True,
-        window=True,
-        segment_ids=True,
-        lengths=True,
-        mask=True,
-        bias=True,
-        bias_grad=True,
-        softcap=True,
-        return_lse=True,
-        differentiable=True,
-        deterministic=True,
-        partitionable=True,
+    capabilities = manifest(
+        platforms=PLATFORMS, features=FEATURES, jax_versions=">=0.10,<0.13",
+        bias_grad=True, differentiable=True, deterministic=True, partitionable=True,
         interpret=False,
-        jax_versions=">=0.10,<0.13",
     )
     priority = {"cpu": 50, "gpu": 50, "tpu": 50}
     hlo_marker = "xla_native_forward"
 
-    def attend(
-        self,
-        call: AttentionCall,
-        q: Any,
-        k: Any,
-        v: Any,
-        operands: Operands,
-        options: Any = None,
-    ) -> Any:
+    def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
+               options: Any = None) -> Any:
         """Blockwise attention; see :class:`attn_backends.Backend`.
 
         Default blocks follow the platform the program is lowered for
         (``call.platform``), or the host's when the call does not say.
         """
-        if options is None:
+
+        def default() -> BlockConfig:
             import jax
 
             platform = call.platform or attn_backends.platform_name(jax.default_backend())
-            options = BlockConfig.default_for(call, platform if platform in _BLOCK_PLATFORMS else "cpu")
-        elif not isinstance(options, BlockConfig):
-            raise ValueError(
-                f"xla_native: options must be an attn_backend_xla_native.BlockConfig "
-                f"or None, got {type(options).__name__}"
-            )
+            if platform not in _BLOCK_PLATFORMS:
+                platform = "cpu"
+            return BlockConfig.default_for(call, platform)
+
         from ._kernel import blockwise_attention
 
-        out, lse = blockwise_attention(call, q, k, v, operands, options)
+        blocks = resolve_options(options, BlockConfig, default)
+        out, lse = blockwise_attention(call, q, k, v, operands, blocks)
         return (out, lse) if call.return_lse else out
 
     def tile_small_options(self, call: AttentionCall) -> BlockConfig:

@@ -1,0 +1,220 @@
+"""Helpers for backend authors: what several plugins would otherwise each write again.
+
+Public as ``attn_backends.authoring``; not imported by ``import attn_backends``.
+Every helper is optional: a backend is a :class:`attn_backends.Backend`
+subclass with a :class:`attn_backends.Capabilities` manifest either way.
+
+- :func:`manifest`: a ``Capabilities`` claiming a set of feature names.
+- :func:`distribution_version`: a distribution's installed version, with a
+  fallback for a source tree that is not installed.
+- :func:`resolve_options`: the options ``attend`` runs with, from the user's
+  object (checked for its type) or the backend's default.
+- :func:`refuse`: raise ``UnsupportedError`` naming the backend, the call and
+  the reasons, when there are any.
+- :class:`InterpretSwitch`: the on/off switch (an environment variable and a
+  context manager) for a kernel that can run emulated on cpu, and the manifest
+  that serves cpu only while it is on.
+
+Core already refuses, before ``attend`` runs, every call its manifest does not
+claim (dtype, head dims, features): nothing here re-checks the manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from .contract.call import FEATURES, AttentionCall
+from .contract.capabilities import Capabilities
+from .contract.environment import env_flag
+from .contract.errors import UnsupportedError
+
+__all__ = [
+    "UNKNOWN_VERSION",
+    "InterpretSwitch",
+    "SwitchedManifest",
+    "distribution_version",
+    "manifest",
+    "refuse",
+    "resolve_options",
+]
+
+#: The version a backend reports when its distribution is not installed.
+UNKNOWN_VERSION = "0+unknown"
+
+T = TypeVar("T")
+
+
+def manifest(*, platforms: Iterable[str], features: Iterable[str] = (),
+             **fields: Any) -> Capabilities:
+    """``Capabilities`` claiming exactly ``features``, names of :data:`attn_backends.FEATURES`.
+
+    ``platforms`` and ``features`` are collections of names (not one string);
+    ``fields`` are the manifest's other fields (``dtypes``, ``head_dims``,
+    ``bias_grad``, ``differentiable``, ``deterministic``, ``partitionable``,
+    ``interpret``, ``jax_versions``), with ``Capabilities``' defaults.
+    Raises ValueError for a name that is not a feature, TypeError for a feature
+    given as a keyword (``causal=True``: name it in ``features``).
+    """
+    for what, names in (("platforms", platforms), ("features", features)):
+        if isinstance(names, str):
+            raise TypeError(f"manifest: {what} must be a collection of names, got the string "
+                            f"{names!r}")
+    claimed = frozenset(features)
+    unknown = sorted(claimed - set(FEATURES))
+    if unknown:
+        raise ValueError(f"manifest: {unknown} are not features; features are {list(FEATURES)}")
+    as_keywords = sorted(set(fields) & set(FEATURES))
+    if as_keywords:
+        raise TypeError(f"manifest: name {as_keywords} in features=, not as keywords")
+    flags = {f: f in claimed for f in FEATURES}
+    return Capabilities(platforms=frozenset(platforms), **flags, **fields)
+
+
+def distribution_version(distribution: str, fallback: str = UNKNOWN_VERSION) -> str:
+    """The installed version of ``distribution`` (e.g. ``"attn-backend-mine"``), or
+    ``fallback`` when it is not installed (code run from a source tree)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return fallback
+
+
+def resolve_options(options: object, expected: type[T], default: Callable[[], T]) -> T:
+    """The options ``attend`` runs with: ``options`` when it is an ``expected``,
+    ``default()`` when it is None (only then is ``default`` called).
+
+    Anything else raises ValueError ``options: expected PKG.NAME or None, got
+    TYPE``, where ``PKG`` is the top-level package of ``expected`` (which
+    should re-export it, as users import it from there).
+    """
+    if options is None:
+        return default()
+    if not isinstance(options, expected):
+        public = f"{expected.__module__.partition('.')[0]}.{expected.__qualname__}"
+        raise ValueError(
+            f"options: expected {public} or None, got {type(options).__name__}"
+        )
+    return options
+
+
+def refuse(backend: str, call: AttentionCall, reasons: Sequence[str]) -> None:
+    """Raise ``UnsupportedError("BACKEND cannot serve CALL: R1; R2")`` when there
+    are ``reasons`` (duplicates dropped, order kept); return when there are none.
+
+    For what ``attend`` must refuse beyond its manifest (core refuses what the
+    manifest does not claim), e.g. the reasons of the backend's own ``check``.
+    """
+    if reasons:
+        raise UnsupportedError(
+            f"{backend} cannot serve {call.describe()}: " + "; ".join(dict.fromkeys(reasons))
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _CpuSwitchedCapabilities(Capabilities):
+    """A manifest whose cpu rejection ends with how to turn interpret mode on.
+
+    Subclassed once per switch (``_off_note`` is a class attribute, not a
+    field), so ``as_dict`` and ``dataclasses.replace`` see a plain manifest.
+    """
+
+    _off_note: ClassVar[str] = ""
+
+    def unmet(self, call: AttentionCall, platform: str) -> list[str]:
+        reasons = super().unmet(call, platform)
+        if platform == "cpu" and "cpu" not in self.platforms:
+            reasons = [f"{r} ({self._off_note})" if r.startswith("platform ") else r
+                       for r in reasons]
+        return reasons
+
+
+class SwitchedManifest:
+    """A ``capabilities`` class attribute that reads as :attr:`on` while its
+    switch is on (the base manifest plus ``cpu``) and as :attr:`off` otherwise
+    (the base manifest, whose cpu rejection says how to turn the switch on).
+
+    Read on the class or an instance alike; reading it reads the switch, so a
+    malformed environment variable raises ValueError there.
+    """
+
+    def __init__(self, switch: InterpretSwitch, off: Capabilities, on: Capabilities) -> None:
+        self.switch, self.off, self.on = switch, off, on
+
+    def __get__(self, obj: object, owner: type | None = None) -> Capabilities:
+        return self.on if self.switch.enabled() else self.off
+
+
+class InterpretSwitch:
+    """Whether a kernel runs emulated on cpu (Pallas' ``interpret=True``): off by default.
+
+    On when ``env_var`` is set to 1/true/yes/on (:func:`attn_backends.env_flag`);
+    :meth:`mode` overrides the variable inside a ``with`` block (per thread and
+    task: a context variable; nesting restores the outer state). The switch is
+    meant to be read when a call is selected and traced, not per step.
+
+    ``package`` is the plugin's import name, which exports ``mode`` as
+    ``interpret_mode``; ``kernel`` says what runs emulated ("the Pallas TPU
+    kernels") and ``mode_name`` names the mode ("Pallas TPU interpret mode"), both
+    for :attr:`how_to_enable` and the cpu rejection of :meth:`capabilities`.
+    """
+
+    def __init__(self, env_var: str, *, package: str, kernel: str, mode_name: str) -> None:
+        self.env_var = env_var
+        self.package = package
+        #: How error messages and reasons tell a user to turn the switch on.
+        self.how_to_enable = (
+            f"set {env_var}=1 or wrap the call in {package}.interpret_mode() "
+            f"to run {kernel} emulated on cpu (slow; for tests)"
+        )
+        #: What a cpu rejection adds while the switch is off.
+        self.off_note = f"{mode_name} is off: {self.how_to_enable}"
+        self._forced: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+            f"{package}_interpret", default=None
+        )
+
+    def enabled(self) -> bool:
+        """Whether cpu runs the kernel emulated (so the switched manifest serves cpu).
+
+        The innermost :meth:`mode` block decides; outside any, the environment
+        variable (ValueError when it is neither on nor off).
+        """
+        forced = self._forced.get()
+        return env_flag(self.env_var) if forced is None else forced
+
+    @contextlib.contextmanager
+    def mode(self, enabled: bool = True) -> Iterator[None]:
+        """Run the kernel emulated on cpu inside this block (``enabled=False``: forbid it,
+        even when the environment variable is set). Nesting restores the outer state."""
+        token = self._forced.set(bool(enabled))
+        try:
+            yield
+        finally:
+            self._forced.reset(token)
+
+    def capabilities(self, base: Capabilities) -> SwitchedManifest:
+        """The ``capabilities`` class attribute of a backend that serves cpu in interpret mode.
+
+        ``base`` is the manifest without cpu (say ``platforms={"tpu"}``); while
+        the switch is on the backend claims ``base`` plus cpu, while it is off
+        ``base``, rejecting cpu with a reason ending in :attr:`how_to_enable`.
+        """
+        if "cpu" in base.platforms:
+            raise ValueError(
+                f"InterpretSwitch.capabilities: the base manifest lists cpu "
+                f"({sorted(base.platforms)}); the switch is what adds it"
+            )
+        noted = type("InterpretCapabilities", (_CpuSwitchedCapabilities,),
+                     {"_off_note": self.off_note, "__module__": __name__})
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        off = noted(**fields)
+        on = noted(**{**fields, "platforms": base.platforms | {"cpu"}})
+        return SwitchedManifest(self, off, on)
+
+    def __repr__(self) -> str:
+        return f"<InterpretSwitch {self.env_var} of {self.package}>"

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _support import make_backend, qkv
+from _support import dense, make_backend, qkv
+from attn_backends import oracle
 from attn_backends.choose import attention as _attention
 
 
@@ -272,3 +273,32 @@ def test_fallback_warning_points_at_the_callers_line(fake_registry):
     with pytest.warns(ab.FallbackWarning) as record:
         reg.get(device="cpu")(q, k, v, softcap=5.0)
     assert record[0].filename == __file__
+
+
+def test_backend_options_for_a_backend_not_installed_warn(fake_registry):
+    reg = fake_registry(make_backend("a"), make_backend("b"))
+    with pytest.warns(ab.AttnBackendsWarning,
+                      match=r"backend_options: 'xla_nativ' not installed \(installed: a, b\); "
+                            r"ignored"):
+        reg.get(device="cpu", backend_options={"xla_nativ": object(), "a": None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.get(device="cpu", backend_options={"a": None})
+
+
+def test_lengths_past_the_sequence_are_clipped_before_any_backend_sees_them(fake_registry):
+    seen = []
+
+    def spy(call, q, k, v, ops):
+        seen.append((np.asarray(ops.q_lengths).tolist(), np.asarray(ops.kv_lengths).tolist()))
+        return dense(call, q, k, v, ops)
+
+    att = fake_registry(make_backend("spy", attend=spy)).get(device="cpu")
+    q, k, v = qkv(b=3, tq=5, tk=7)
+    outside = att(q, k, v, q_lengths=jnp.array([9, -1, 4]), kv_lengths=jnp.array([12, -3, 6]))
+    inside = att(q, k, v, q_lengths=jnp.array([5, 0, 4]), kv_lengths=jnp.array([7, 0, 6]))
+    assert seen == [([5, 0, 4], [7, 0, 6])] * 2
+    want, _ = oracle.attention(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                               q_lengths=np.array([9, -1, 4]), kv_lengths=np.array([12, -3, 6]))
+    np.testing.assert_array_equal(np.asarray(outside), np.asarray(inside))
+    np.testing.assert_allclose(np.asarray(outside), want, atol=1e-5)

@@ -126,6 +126,7 @@ class Served:
             def run(q: Any, k: Any, v: Any, operands: Operands) -> Any:
                 refuse_unclaimed(backend, call)
                 q, k, v, operands = guard_gradients(backend, q, k, v, operands)
+                operands = lengths_in_range(call, operands)
                 with jax.named_scope(f"attn/{backend.name}"):
                     return backend.attend(dataclasses.replace(call, platform=platform), q, k, v,
                                           operands, options.get(backend.name))
@@ -178,6 +179,22 @@ def guard_gradients(
         message = f"backend {backend.name!r} has no gradient w.r.t. bias (bias_grad=False)"
         operands = operands._replace(bias=no_gradient(operands.bias, message))
     return q, k, v, operands
+
+
+def lengths_in_range(call: AttentionCall, operands: Operands) -> Operands:
+    """``q_lengths`` clipped to ``[0, Tq]`` and ``kv_lengths`` to ``[0, Tk]``.
+
+    The same answer by the contract (``j < kv_lengths[b]`` over ``0 <= j < Tk``
+    holds for every j once the length reaches Tk, for none below 0), so a
+    length past the sequence means the whole sequence, a negative one nothing;
+    and no backend is ever handed a length that could index past its arrays.
+    """
+    q_lengths, kv_lengths = operands.q_lengths, operands.kv_lengths
+    if q_lengths is not None:
+        q_lengths = jnp.clip(q_lengths, 0, call.q_len)
+    if kv_lengths is not None:
+        kv_lengths = jnp.clip(kv_lengths, 0, call.kv_len)
+    return operands._replace(q_lengths=q_lengths, kv_lengths=kv_lengths)
 
 
 def empty_result(call: AttentionCall, q: Any) -> Any:

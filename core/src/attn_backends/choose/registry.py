@@ -181,6 +181,14 @@ class Registry:
                 f"(installed: {', '.join(sorted(self.backends)) or 'none'}); ignored",
                 AttnBackendsWarning,
             )
+        mistyped = sorted(set(backend_options or {}) - set(self.backends))
+        if mistyped:
+            # Options for a backend not installed here would never reach it.
+            warn(
+                f"backend_options: {', '.join(map(repr, mistyped))} not installed "
+                f"(installed: {', '.join(sorted(self.backends)) or 'none'}); ignored",
+                AttnBackendsWarning,
+            )
         return Attention(
             self,
             platforms=resolve_all(device),

@@ -107,7 +107,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                 "priority": dict(backend.priority),
                 "capabilities": caps.as_dict(),
                 "certified": _report.certificate_summary(backend, platform),
-                "probes": _report.probe_summary(name),
+                "probes": _report.probe_summary(backend),
             }
         )
     if args.json:

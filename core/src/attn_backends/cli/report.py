@@ -11,15 +11,21 @@ from ..contract.backend import Backend
 from ..contract.environment import cache_dir, device_kind, resolve, versions, visible_platforms
 from ..probe import certificates as _certificates
 from ..probe import verdicts as _verdicts
+from ..probe.digests import code_digests
 
 
-def probe_summary(name: str) -> str:
-    """``"3 ok, 1 quarantined"`` for verdicts on disk for this jax, or ``"-"``."""
+def probe_summary(backend: Backend) -> str:
+    """``"3 ok, 1 quarantined"`` for the verdicts on disk that the code installed now
+    earned (this jax, this backend and core), or ``"-"``; older ones no longer
+    count (``attn-backends probe --clear`` removes them)."""
     ok = bad = 0
     jax_version = versions()["jax"]
+    digests = code_digests(backend)
     for record in _verdicts.records():
         key = record.get("key", {})
-        if key.get("backend") == name and key.get("jax") == jax_version:
+        if (key.get("backend") == backend.name and key.get("jax") == jax_version
+                and key.get("backend_digest") == digests["backend"]
+                and key.get("core_digest") == digests["core"]):
             ok, bad = (ok + 1, bad) if record.get("passed") else (ok, bad + 1)
     if not ok and not bad:
         return "-"
@@ -27,7 +33,8 @@ def probe_summary(name: str) -> str:
 
 
 def certificate_summary(backend: Backend, platform: str) -> str:
-    """``"yes: 182/183 cases"``, ``"no"``, ``"FAILED (quick run)"`` or ``"VOID: <why>"``."""
+    """``"yes: 182/183 cases"``, ``"passed (quick run; ...)"``, ``"FAILED (full run)"``,
+    ``"no"`` or ``"VOID: <why>"``."""
     found = _certificates.status(backend, platform)
     cert = found.certificate
     if cert is None:
@@ -35,7 +42,13 @@ def certificate_summary(backend: Backend, platform: str) -> str:
     if found.void:
         return "VOID: " + "; ".join(found.void)
     cases = cert.get("cases", {})
-    verdict = "yes" if _certificates.is_full_pass(cert) else f"FAILED ({cert.get('mode')} run)"
+    if _certificates.is_full_pass(cert):
+        verdict = "yes"
+    elif cert.get("passed"):
+        run = "quick" if cert.get("mode") == "quick" else "partial"
+        verdict = f"passed ({run} run; only a full run certifies)"
+    else:
+        verdict = f"FAILED ({cert.get('mode')} run)"
     return f"{verdict}: {cases.get('passed', '?')}/{cases.get('run', '?')} cases"
 
 
@@ -59,7 +72,7 @@ def doctor(registry: Any) -> dict[str, Any]:
                 "distribution": origins[name].distribution,
                 "version": backend.version,
                 "certificate": certificate_summary(backend, default_platform),
-                "probes": probe_summary(name),
+                "probes": probe_summary(backend),
             }
             for name, backend in sorted(backends.items())
         ],

@@ -54,17 +54,27 @@ def environment_key(backend: Backend, platform: str) -> dict[str, Any]:
     }
 
 
-def _name(key: dict[str, Any]) -> str:
+def _slot(certificate: dict[str, Any]) -> str:
+    """"full" for a run of the whole suite, "partial" for ``--attn-quick`` or
+    ``--attn-only``: a partial run never replaces a full one of the same code."""
+    return "full" if certificate.get("mode") == "full" and not certificate.get(
+        "only_families") else "partial"
+
+
+def _name(key: dict[str, Any], slot: str) -> str:
+    """One file per environment, code and slot: a run of other code (a failing
+    change, say) never replaces the certificate this code earned."""
     fields = {f: key.get(f) for f in KEY_FIELDS}
+    fields["code_digests"] = key.get("code_digests")
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{key['backend']}-{digest}"
+    return f"{key['backend']}-{digest}-{slot}"
 
 
 def store(certificate: dict[str, Any]) -> Path | None:
     """Save ``certificate`` (which holds the KEY_FIELDS) in the cache, atomically;
     its path, or None when the cache is not writable (then it is kept in memory
     for this process, with one warning)."""
-    return STORE.write(_name(certificate), certificate)
+    return STORE.write(_name(certificate, _slot(certificate)), certificate)
 
 
 def is_full_pass(certificate: dict[str, Any]) -> bool:
@@ -111,9 +121,23 @@ def _void_reasons(stored: dict[str, Any], now: dict[str, str | None]) -> list[st
 
 
 def status(backend: Backend, platform: str) -> CertificateStatus:
-    """The certificate stored for ``backend`` in this environment, and whether it counts."""
+    """The certificate stored for ``backend`` in this environment, and whether it counts.
+
+    The one earned by the code installed now (a full run before a partial one);
+    else the newest earned by other code, void with the reasons; else none.
+    """
     key = environment_key(backend, platform)
-    data = STORE.read(_name(key))  # an unreadable file is reported and counts as none
-    if data is None or any(data.get(f) != key[f] for f in KEY_FIELDS):
+    for slot in ("full", "partial"):
+        data = STORE.read(_name(key, slot))  # an unreadable file counts as none
+        if data is not None and _same_environment(data, key):
+            return CertificateStatus(data, tuple(_void_reasons(data, key["code_digests"])))
+    others = [entry.record for entry in STORE.entries()
+              if entry.record is not None and _same_environment(entry.record, key)]
+    if not others:
         return CertificateStatus(None)
-    return CertificateStatus(data, tuple(_void_reasons(data, key["code_digests"])))
+    newest = max(others, key=lambda record: str(record.get("date", "")))
+    return CertificateStatus(newest, tuple(_void_reasons(newest, key["code_digests"])))
+
+
+def _same_environment(certificate: dict[str, Any], key: dict[str, Any]) -> bool:
+    return all(certificate.get(f) == key[f] for f in KEY_FIELDS)

@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import timeit
+
+from attn_backends_contracts.hlo import compiled_instructions
 
 IMPORT_SNIPPET = (
     r"""
@@ -120,7 +121,8 @@ def jit_step_overhead(steps: int = 50) -> dict:
     rounds = [(timed(via_registry), timed(direct)) for _ in range(7)]
     t_reg, t_direct = min(r for r, _ in rounds), min(d for _, d in rounds)
     lowered = via_registry.lower(q, kv, kv), direct.lower(q, kv, kv)
-    same_program = _instructions(lowered[0].compile()) == _instructions(lowered[1].compile())
+    programs = [compiled_instructions(one.compile()) for one in lowered]
+    same_program = programs[0] == programs[1]
     return {
         "backend": backend.name,
         "registry_ms": 1e3 * t_reg,
@@ -128,13 +130,6 @@ def jit_step_overhead(steps: int = 50) -> dict:
         "ratio": t_reg / t_direct,
         "same_program": same_program,
     }
-
-
-def _instructions(compiled) -> str:
-    """The compiled HLO without source locations and the module's name."""
-    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
-    text = re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*", "\n", text)
-    return re.sub(r"HloModule \S+", "HloModule", text)
 
 
 def main() -> None:

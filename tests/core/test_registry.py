@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 import warnings
@@ -15,6 +14,7 @@ import pytest
 from _support import dense, make_backend, qkv
 from attn_backends import oracle
 from attn_backends.choose import attention as _attention
+from attn_backends_contracts.hlo import compiled_instructions
 
 
 def test_strict_backend_never_falls_back_and_gives_its_reasons(fake_registry):
@@ -160,13 +160,6 @@ def test_selection_cache_is_bounded(fake_registry, monkeypatch):
     assert len(att._selections) == 4
 
 
-def _instructions(compiled):
-    """The compiled HLO without source locations and the module's name."""
-    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
-    text = re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*", "\n", text)
-    return re.sub(r"HloModule \S+", "HloModule", text)
-
-
 def test_jitted_program_is_the_backends_own_plus_its_named_scope(fake_registry):
     backend = make_backend("dense")
     att = fake_registry(backend).get(device="cpu")
@@ -178,7 +171,7 @@ def test_jitted_program_is_the_backends_own_plus_its_named_scope(fake_registry):
     # The lowered module also holds the platform dispatch (a case on a constant
     # platform index, one live branch), which XLA folds away: the programs it
     # compiles are the same, instruction for instruction.
-    assert _instructions(via_registry.compile()) == _instructions(direct.compile())
+    assert compiled_instructions(via_registry.compile()) == compiled_instructions(direct.compile())
     assert "stablehlo.case" in via_registry.as_text()
     assert "attn/dense" in via_registry.as_text(debug_info=True)
     assert "attn/dense" not in direct.as_text(debug_info=True)

@@ -16,6 +16,7 @@ import pytest
 from attn_backend_xla_native import BlockConfig, XlaNativeBackend
 from attn_backend_xla_native._plugin import attn_backends_register
 from attn_backends_contracts._oracle import attention
+from attn_backends_contracts.hlo import compiled_instructions
 
 BACKEND = XlaNativeBackend()
 
@@ -193,13 +194,6 @@ def test_registry_serves_xla_native() -> None:
     np.testing.assert_allclose(tiled_out, out, atol=2e-6)
 
 
-def _instructions(compiled: Any) -> str:
-    """The compiled HLO without source locations and the module's name."""
-    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
-    text = re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*", "\n", text)
-    return re.sub(r"HloModule \S+", "HloModule", text)
-
-
 def test_registry_program_is_xla_natives_own() -> None:
     """What BENCHMARKS.md's registry-overhead row (bench_registry.py) is about:
     through the registry, xla_native lowers to exactly the program its
@@ -214,7 +208,7 @@ def test_registry_program_is_xla_natives_own() -> None:
     direct = jax.jit(lambda q, k, v: BACKEND.attend(call, q, k, v, ops)).lower(spec, kv, kv)
     # The lowered module also holds core's platform dispatch (a case on a
     # constant platform index), which XLA folds away: same compiled program.
-    assert _instructions(via_registry.compile()) == _instructions(direct.compile())
+    assert compiled_instructions(via_registry.compile()) == compiled_instructions(direct.compile())
     assert XlaNativeBackend.hlo_marker in direct.as_text()
     assert "attn/xla_native" in via_registry.as_text(debug_info=True)
 

@@ -33,6 +33,31 @@ from .select import Explanation, Probe, select
 #: Distinct call signatures one Attention remembers; older ones are evicted.
 SELECTION_CACHE_SIZE = 512
 
+#: The layouts of q, k, v (and the output) an Attention takes: ``registry.get(layout=)``.
+#: BTNH is the contract's ``[B, T, H, D]``; BHTD is PyTorch's ``[B, H, T, D]``.
+LAYOUTS = ("BTNH", "BHTD")
+
+
+def _swap_heads_and_length(x: Any) -> Any:
+    """``[B, T, H, D]`` <-> ``[B, H, T, D]``: an array, tracer or ShapeDtypeStruct
+    (whose sharding, if any, is permuted with it)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.eval_shape(lambda y: y.transpose(0, 2, 1, 3), x)
+    return x.transpose(0, 2, 1, 3)
+
+
+def _to_contract_layout(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """BHTD q, k, v -> BTNH. A wrong rank is a ValueError in BHTD's terms; what is
+    not an array is passed on, for :func:`bind` to refuse by name."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if hasattr(x, "shape") and len(x.shape) != 4:
+            raise ValueError(
+                f"{name}: expected rank 4 [B, H, T, D] (layout='BHTD'), "
+                f"got shape {list(x.shape)}"
+            )
+    q, k, v = (_swap_heads_and_length(x) if hasattr(x, "shape") else x for x in (q, k, v))
+    return q, k, v
+
 
 @dataclass(frozen=True)
 class SingleDevice:
@@ -108,7 +133,10 @@ class Attention:
     segment_ids=None, q_lengths=None, kv_lengths=None, mask=None, bias=None,
     softcap=None, return_lse=False)`` with q ``[B, Tq, Hq, D]``, k
     ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` returns out ``[B, Tq, Hq, Dv]``
-    (and lse ``[B, Hq, Tq]`` float32 with ``return_lse=True``). Selection
+    (and lse ``[B, Hq, Tq]`` float32 with ``return_lse=True``). With
+    ``layout="BHTD"`` q, k, v and out are ``[B, H, T, D]`` instead, transposed
+    to and from the contract's layout here; lse, mask, bias, ids and lengths
+    have the same shapes in both layouts. Selection
     runs once per call signature, at trace time under ``jit``; the selected
     backend is lowered only for its platform (``platforms``: one, or several
     for a program exported for each). Inputs sharded on a mesh (or a
@@ -128,8 +156,16 @@ class Attention:
         backend_options: dict[str, Any],
         sharding: Hashable | None = None,
         parallel: Callable[[], ParallelLayer] | None = None,
+        layout: str = "BTNH",
     ):
+        if layout not in LAYOUTS:
+            raise ValueError(
+                f"layout: expected one of {LAYOUTS} (the axes of q, k, v and the output: "
+                f"BTNH = [B, T, H, D], BHTD = [B, H, T, D]), got {layout!r}"
+            )
         self.registry = registry
+        #: The axes of q, k, v and the output this attention takes and returns.
+        self.layout = layout
         #: (platform, present here) per platform served; ``platform`` is the first.
         self.platforms = platforms
         self.platform, self.present = platforms[0]
@@ -153,7 +189,8 @@ class Attention:
     def __repr__(self) -> str:
         pinned = f" backend={self.backend_name!r}" if self.backend_name else ""
         where = "/".join(p for p, _ in self.platforms)
-        return f"<Attention platform={where!r}{pinned} fallback={self.fallback!r}>"
+        layout = "" if self.layout == "BTNH" else f" layout={self.layout!r}"
+        return f"<Attention platform={where!r}{pinned} fallback={self.fallback!r}{layout}>"
 
     def explain_call(
         self, call: AttentionCall, call_for: Callable[[Backend], AttentionCall] | None = None,
@@ -182,7 +219,10 @@ class Attention:
         )
 
     def explain(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Explanation:
-        """Every backend's verdict for this call; arrays or ``jax.ShapeDtypeStruct``s."""
+        """Every backend's verdict for this call; arrays or ``jax.ShapeDtypeStruct``s,
+        in this attention's ``layout`` (the explanation's call is in the contract's)."""
+        if self.layout == "BHTD":
+            q, k, v = _to_contract_layout(q, k, v)
         call, _ = bind(q, k, v, **kwargs)
         if self._goes_parallel(q):
             return self._parallel_layer().explain(self._single_device(), self.sharding,
@@ -262,11 +302,25 @@ class Attention:
         softcap: float | None = None,
         return_lse: bool = False,
     ) -> Any:
-        call, operands = bind(
-            q, k, v, scale=scale, causal=causal, window=window, segment_ids=segment_ids,
+        kwargs = dict(
+            scale=scale, causal=causal, window=window, segment_ids=segment_ids,
             q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, bias=bias,
             softcap=softcap, return_lse=return_lse,
         )
+        if self.layout == "BTNH":
+            return self._attend(q, k, v, **kwargs)
+        # Transposed in and out: under jit XLA gives the backend's matmuls these
+        # dimension orders (docs/DESIGN.md, section 2, says what compiles).
+        q, k, v = _to_contract_layout(q, k, v)
+        result = self._attend(q, k, v, **kwargs)
+        if return_lse:
+            out, lse = result
+            return _swap_heads_and_length(out), lse
+        return _swap_heads_and_length(result)
+
+    def _attend(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        """The call in the contract's BTNH layout."""
+        call, operands = bind(q, k, v, **kwargs)
         if call.is_empty:
             with jax.named_scope("attn/empty"):
                 return empty_result(call, q)

@@ -138,6 +138,7 @@ class Registry:
         fallback: str = "warn",
         backend_options: Mapping[str, Any] | None = None,
         *,
+        layout: str = "BTNH",
         mesh: Any = None,
         spec: Any = None,
         sequence_axis: str | None = None,
@@ -155,10 +156,17 @@ class Registry:
         first. ``fallback`` is "warn", "error" or "silent". ``backend_options``
         maps a backend name to its config object (e.g. block sizes).
 
+        ``layout`` is the axis order of q, k, v and the output: ``"BTNH"``
+        (``[B, T, H, D]``, the contract's and ``jax.nn.dot_product_attention``'s)
+        or ``"BHTD"`` (``[B, H, T, D]``, PyTorch's), which the Attention
+        transposes to and from BTNH; lse, mask, bias, ids and lengths keep their
+        shapes. Shapes alone cannot tell the two apart when head counts divide
+        (docs/DESIGN.md, section 2): code holding BHTD arrays says so here.
+
         Sharding (docs/MANY_CHIPS.md): ``mesh`` (a ``jax.sharding.Mesh`` or
-        ``AbstractMesh``) and ``spec`` (a ``PartitionSpec`` over the BTNH dims
-        of q, k, v) say how inputs are laid out when their own sharding does
-        not (e.g. under ``jit`` with Auto axes); ``sequence_axis`` names the mesh
+        ``AbstractMesh``) and ``spec`` (a ``PartitionSpec`` over the dims of
+        q, k, v in ``layout``) say how inputs are laid out when their own
+        sharding does not (e.g. under ``jit`` with Auto axes); ``sequence_axis`` names the mesh
         axis the sequence is split over, which runs ring attention, whose
         backend calls take sub-chunks of at most ``ring_block`` tokens (None:
         1024).
@@ -196,8 +204,10 @@ class Registry:
             prefer=tuple(prefer or ()),
             fallback=fallback,
             backend_options=dict(backend_options or {}),
-            sharding=self._sharding_request(mesh, spec, sequence_axis, ring_block),
+            sharding=self._sharding_request(mesh, _btnh_spec(spec, layout), sequence_axis,
+                                            ring_block),
             parallel=self._parallel,
+            layout=layout,
         )
 
     def _sharding_request(self, mesh: Any, spec: Any, sequence_axis: str | None,
@@ -212,6 +222,16 @@ class Registry:
             )
         return self._parallel().request(mesh, spec, sequence_axis, ring_block)
 
-    def explain(self, q: Any, k: Any, v: Any, *, device: Any = None, **kwargs: Any) -> Explanation:
-        """Every backend's verdict for this call on ``device`` (arrays or ShapeDtypeStructs)."""
-        return self.get(device=device, fallback="silent").explain(q, k, v, **kwargs)
+    def explain(self, q: Any, k: Any, v: Any, *, device: Any = None, layout: str = "BTNH",
+                **kwargs: Any) -> Explanation:
+        """Every backend's verdict for this call on ``device`` (arrays or ShapeDtypeStructs
+        in ``layout``)."""
+        return self.get(device=device, fallback="silent", layout=layout).explain(q, k, v, **kwargs)
+
+
+def _btnh_spec(spec: Any, layout: str) -> Any:
+    """A ``PartitionSpec`` over ``layout``'s dims as one over the contract's BTNH dims."""
+    if spec is None or layout == "BTNH":
+        return spec
+    b, h, t, d = (*spec, None, None, None, None)[:4]
+    return type(spec)(b, t, h, d)

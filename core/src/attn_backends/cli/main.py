@@ -140,16 +140,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    b, tq, hq, d = args.q
-    bk, tk, hkv, dk = args.kv
+    if args.layout == "BHTD":
+        (b, hq, tq, _), (bk, _, tk, dk) = args.q, args.kv
+    else:
+        (b, tq, hq, _), (bk, tk, _, dk) = args.q, args.kv
     dv = args.dv if args.dv is not None else dk
     dtype = jnp.dtype(args.dtype)
     sds = jax.ShapeDtypeStruct
-    q, k, v = (
-        sds((b, tq, hq, d), dtype),
-        sds((bk, tk, hkv, dk), dtype),
-        sds((bk, tk, hkv, dv), dtype),
-    )
+    # q, k, v in the layout given (the attention transposes them); the rest is
+    # the same in both.
+    q, k, v = sds(args.q, dtype), sds(args.kv, dtype), sds((*args.kv[:3], dv), dtype)
     kwargs: dict[str, Any] = {
         "causal": args.causal,
         "window": args.window,
@@ -169,6 +169,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     attention = _registry().get(
         device=args.device, backend=args.backend,
         prefer=args.prefer.split(",") if args.prefer else None, fallback="silent",
+        layout=args.layout,
     )
     explanation = attention.explain(q, k, v, **kwargs)
     print(explanation.to_json() if args.json else explanation)
@@ -353,8 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_exp = sub.add_parser("explain", help="every backend's verdict for a call")
     p_exp.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
-    p_exp.add_argument("--q", required=True, type=_ints(4), metavar="B,Tq,Hq,D")
-    p_exp.add_argument("--kv", required=True, type=_ints(4), metavar="B,Tk,Hkv,D")
+    p_exp.add_argument("--q", required=True, type=_ints(4), metavar="B,Tq,Hq,D",
+                       help="q's shape (B,Hq,Tq,D with --layout BHTD)")
+    p_exp.add_argument("--kv", required=True, type=_ints(4), metavar="B,Tk,Hkv,D",
+                       help="k's shape (B,Hkv,Tk,D with --layout BHTD)")
+    p_exp.add_argument("--layout", default="BTNH", choices=("BTNH", "BHTD"),
+                       help="the axis order of --q and --kv (default: BTNH)")
     p_exp.add_argument("--dv", type=_positive, default=None, help="value head dim (default: D)")
     p_exp.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p_exp.add_argument("--causal", action="store_true")

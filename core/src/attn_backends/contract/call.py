@@ -31,6 +31,10 @@ FEATURES = (
     "return_lse",
 )
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_BHTD_HINT = (
+    "for [B, H, T, D] arrays get the attention with registry.get(layout='BHTD') "
+    "(or transpose them with x.transpose(0, 2, 1, 3))."
+)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -169,10 +173,7 @@ def _check_qkv(q: Any, k: Any, v: Any) -> None:
         if any(n < 0 for n in _shape(x)):
             raise ValueError(f"{name}: expected sizes >= 0, got shape {list(_shape(x))}")
     (bq, tq, hq, d), (bk, tk, hk, dk), (bv, tv, hv, _) = map(_shape, (q, k, v))
-    layout_hint = (
-        " The layout is BTNH [B, T, H, D]; a [B, H, T, D] array must be "
-        "transposed with x.transpose(0, 2, 1, 3)."
-    )
+    layout_hint = " The layout is BTNH [B, T, H, D]; " + _BHTD_HINT
     if not bq == bk == bv:
         raise ValueError(f"batch: expected q, k, v to share B, got {bq}, {bk}, {bv}")
     if tk != tv:
@@ -195,16 +196,19 @@ def _check_qkv(q: Any, k: Any, v: Any) -> None:
         )
 
 
-def _check_int_array(name: str, x: Any, shape: tuple[int, ...]) -> None:
+def _check_int_array(
+    name: str, x: Any, shape: tuple[int, ...], heads: tuple[int, ...] = ()
+) -> None:
     _require_array(name, x)
     if _shape(x) != shape:
-        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(_shape(x))}")
+        hint = _bhtd_suspect(_shape(x)[1:], heads) if heads else ""
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(_shape(x))}{hint}")
     if not np.issubdtype(np.dtype(x.dtype), np.integer):
         raise ValueError(f"{name}: expected an integer dtype, got {_dtype_name(x)}")
 
 
 def _check_pairwise(
-    name: str, x: Any, b: int, hq: int, tq: int, tk: int
+    name: str, x: Any, b: int, hq: int, hkv: int, tq: int, tk: int
 ) -> tuple[int, int, int, int]:
     _require_array(name, x)
     shape = _shape(x)
@@ -217,9 +221,20 @@ def _check_pairwise(
     if not ok:
         raise ValueError(
             f"{name}: expected shape [B|1, Hq|1, Tq, Tk] = [{b}|1, {hq}|1, {tq}, {tk}], "
-            f"got {list(shape)}"
+            f"got {list(shape)}" + _bhtd_suspect(shape[-2:], (hq, hkv))
         )
     return shape  # type: ignore[return-value]
+
+
+def _bhtd_suspect(lengths: tuple[int, ...], heads: tuple[int, ...]) -> str:
+    """A hint when a wrongly shaped argument's lengths are q and k's head counts
+    as BTNH reads them: q, k, v are then most likely [B, H, T, D] arrays."""
+    if lengths != heads:
+        return ""
+    return (
+        f". Its lengths {list(lengths)} are what BTNH reads as head counts: q, k, v "
+        "look like [B, H, T, D] arrays; " + _BHTD_HINT
+    )
 
 
 def _check_scale(scale: Any, d: int) -> float:
@@ -309,22 +324,22 @@ def bind(
                 f"got {type(segment_ids).__name__}"
             )
         q_ids, kv_ids = segment_ids
-        _check_int_array("segment_ids[0] (q_ids)", q_ids, (b, tq))
-        _check_int_array("segment_ids[1] (kv_ids)", kv_ids, (b, tk))
+        _check_int_array("segment_ids[0] (q_ids)", q_ids, (b, tq), (hq,))
+        _check_int_array("segment_ids[1] (kv_ids)", kv_ids, (b, tk), (hkv,))
     if q_lengths is not None:
         _check_int_array("q_lengths", q_lengths, (b,))
     if kv_lengths is not None:
         _check_int_array("kv_lengths", kv_lengths, (b,))
     mask_shape = bias_shape = bias_dtype = None
     if mask is not None:
-        mask_shape = _check_pairwise("mask", mask, b, hq, tq, tk)
+        mask_shape = _check_pairwise("mask", mask, b, hq, hkv, tq, tk)
         if _dtype_name(mask) != "bool":
             raise ValueError(
                 f"mask: expected dtype bool (True = visible), got {_dtype_name(mask)}; "
                 "for additive masks use bias="
             )
     if bias is not None:
-        bias_shape = _check_pairwise("bias", bias, b, hq, tq, tk)
+        bias_shape = _check_pairwise("bias", bias, b, hq, hkv, tq, tk)
         bias_dtype = _dtype_name(bias)
         if bias_dtype not in _FLOAT_DTYPES:
             raise ValueError(

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
+import attn_backends as ab
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _flax_support import PRIMARY, REGISTRY, close, ours, x
-from attn_backends.flax import attention_fn
+from _support import Plugin, make_backend
+from attn_backends import FallbackWarning, UnsupportedError, oracle
+from attn_backends.flax import DENSE_PATH, FlaxAttention, FlaxSignature, attention_fn
 
 F, HEADS = 32, 4
 
@@ -130,8 +134,127 @@ def test_linen_dropout_and_sow_weights_are_refused_with_the_reason() -> None:
     with pytest.raises(NotImplementedError, match=r"dropout_rate=0.1.*inside the kernel"):
         mine.apply(params, inputs, deterministic=False, rngs=rngs)
     assert mine.apply(params, inputs, deterministic=True).shape == inputs.shape
-    with pytest.raises(NotImplementedError, match="sow_weights=True"):
-        mine.apply(params, inputs, deterministic=True, sow_weights=True, mutable=["intermediates"])
+
+
+def test_linen_sow_weights_are_flaxs_and_the_output_is_their_product() -> None:
+    t, batch = 9, 2
+    theirs = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=F)
+    fn = ours()
+    mine = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=F, attention_fn=fn)
+    inputs = x(22, batch, t, F)
+    params = theirs.init(jax.random.key(0), inputs)["params"]
+    # Causal and key padding, every row seeing key 0: flax's numbers are the contract's.
+    valid = jnp.arange(t) < jnp.array([[t], [t - 4]])
+    mask = nn.combine_masks(
+        nn.make_causal_mask(inputs[..., 0]), nn.make_attention_mask(jnp.ones((batch, t)), valid)
+    )
+    weight = x(23, batch, t, F)
+
+    def loss(module, params, inputs):
+        out, sown = module.apply({"params": params}, inputs, mask=mask, sow_weights=True,
+                                 mutable=["intermediates"])
+        return jnp.sum(out * weight), (out, sown["intermediates"])
+
+    grad = jax.jit(jax.grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)
+    want_grads, (want, want_sown) = grad(theirs, params, inputs)
+    with pytest.warns(FallbackWarning, match=r"sow_weights asks for the attention weights") as said:
+        got_grads, (got, got_sown) = grad(mine, params, inputs)
+        mine.apply({"params": params}, inputs, mask=mask, sow_weights=True,
+                   mutable=["intermediates"])  # traced again: the same signature
+    assert len(said) == 1, [str(w.message) for w in said]
+    assert jax.tree.structure(got_sown) == jax.tree.structure(want_sown)
+    (weights,) = got_sown["attention_weights"]
+    assert weights.shape == (batch, HEADS, t, t)
+    close(got_sown, want_sown, atol=2e-6)
+    close(got, want, atol=2e-6)
+    close(got_grads, want_grads, atol=5e-5)
+    # Without sow_weights the same module goes to the registry again.
+    mine.apply({"params": params}, inputs, mask=mask)
+    assert sorted(fn.served.values()) == sorted([DENSE_PATH, PRIMARY])
+
+
+class _Attend(nn.Module):
+    """A linen module that calls ``fn`` as flax's attention modules do, sowing."""
+
+    fn: FlaxAttention
+
+    @nn.compact
+    def __call__(self, q, k, v, bias, mask):
+        return self.fn(q, k, v, bias=bias, mask=mask, module=self)
+
+
+def test_sown_weights_follow_the_contract_and_give_the_output() -> None:
+    lead = (2, 3)
+    q, k, v = x(24, *lead, 5, 4, 8), x(25, *lead, 7, 4, 8), x(26, *lead, 7, 4, 6)
+    bias = x(27, *lead, 1, 5, 7)
+    mask = np.random.default_rng(28).uniform(size=(4, 5, 7)) > 0.3
+    mask[..., 0] = True
+    mask[1, 2] = False  # head 1, query 2 sees no key: zeros here, flax's mean of v
+    with pytest.warns(FallbackWarning, match="dense path"):
+        out, sown = jax.jit(lambda *a: _Attend(ours()).apply({}, *a, mutable=["intermediates"]))(
+            q, k, v, bias, mask
+        )
+    (weights,) = sown["intermediates"]["attention_weights"]
+    assert weights.shape == (*lead, 4, 5, 7) and out.shape == (*lead, 5, 4, 6)
+    w64, v64 = np.asarray(weights, np.float64), np.asarray(v, np.float64)
+    np.testing.assert_allclose(out, np.einsum("...hqk,...khd->...qhd", w64, v64), atol=1e-6)
+    assert not np.any(w64[..., 1, 2, :]) and not np.any(np.asarray(out)[..., 2, 1, :])
+    flat = [np.asarray(a, np.float64).reshape(6, *a.shape[2:]) for a in (q, k, v)]
+    want, _ = oracle.attention(*flat, mask=mask[None], bias=np.asarray(bias).reshape(6, 1, 5, 7))
+    close(out, want.reshape(out.shape), atol=2e-6)
+    want_weights = nn.dot_product_attention_weights(q, k, bias=bias, mask=mask)
+    seen = np.broadcast_to(mask.any(-1)[..., None], weights.shape)
+    close(np.where(seen, weights, 0), np.where(seen, want_weights, 0), atol=2e-6)
+
+
+def test_the_dense_path_follows_the_attentions_fallback_policy() -> None:
+    q = x(29, 1, 4, 2, 8)
+    for fallback, expect in (("silent", None), ("error", UnsupportedError)):
+        fn = attention_fn(REGISTRY.get(device="cpu", backend="reference", fallback=fallback))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "silent": no warning at all
+            if expect is None:
+                _Attend(fn).apply({}, q, q, q, None, None, mutable=["intermediates"])
+            else:
+                with pytest.raises(expect, match=r"fallback='error'.*drop sow_weights"):
+                    _Attend(fn).apply({}, q, q, q, None, None, mutable=["intermediates"])
+
+
+def test_served_and_explain_name_the_backend_of_each_linen_signature() -> None:
+    fn = ours()
+    module = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=F, attention_fn=fn)
+    assert "no call served yet" in str(fn.explain())
+    inputs = x(30, 2, 3, 9, F)  # two batch dims: the contract call has B = 6
+    params = module.init(jax.random.key(0), inputs)
+    short = inputs[:, :, :5]
+    jax.jit(module.apply)(params, inputs)
+    jax.jit(module.apply)(params, short)
+    jax.jit(module.apply)(params, short)  # a signature seen before: recorded once
+    head = F // HEADS
+    assert fn.served == {
+        FlaxSignature((2, 3, 9, HEADS, head), (2, 3, 9, HEADS, head), (2, 3, 9, HEADS, head),
+                      "float32"): PRIMARY,
+        FlaxSignature((2, 3, 5, HEADS, head), (2, 3, 5, HEADS, head), (2, 3, 5, HEADS, head),
+                      "float32"): PRIMARY,
+    }
+    served = fn.explain().calls
+    assert [(c.call.batch, c.call.q_len) for c in served] == [(6, 9), (6, 5)]
+    assert [c.explanations[0].chosen for c in served] == [PRIMARY, PRIMARY]
+    text = str(fn.explain())
+    assert "flax call: query[2,3,9,4,8]" in text and "contract call: q[6,9,4,8]" in text
+    assert "batch dims [2, 3] flattened into B=6" in text and "CHOSEN" in text
+
+
+def test_served_names_each_platforms_backend_for_an_export() -> None:
+    one_each = ab.Registry(plugins=[Plugin(make_backend("on_cpu", platforms=("cpu",)),
+                                           make_backend("on_tpu", platforms=("tpu",)))],
+                           autoload=False, probe=None)
+    fn = attention_fn(one_each.get(device=["cpu", "tpu"]))
+    q = jax.ShapeDtypeStruct((2, 16, 2, 8), jnp.float32)
+    jax.eval_shape(lambda q: fn(q, q, q, is_causal=True), q)  # traced, never lowered
+    [(signature, backend)] = fn.served.items()
+    assert signature.is_causal and backend == "cpu=on_cpu, tpu=on_tpu"
+    assert [e.platform for e in fn.explain().calls[0].explanations] == ["cpu", "tpu"]
 
 
 def test_bad_arguments_say_what_was_expected() -> None:
@@ -139,6 +262,8 @@ def test_bad_arguments_say_what_was_expected() -> None:
         attention_fn(REGISTRY.get(device="cpu"), device="cpu")
     with pytest.raises(TypeError, match="expected an attn_backends.Attention"):
         attention_fn(nn.dot_product_attention)
+    with pytest.raises(ValueError, match=r"layout='BHTD'.*default layout='BTNH'"):
+        attention_fn(device="cpu", layout="BHTD")
     q = x(21, 2, 4, 2, 8)
     with pytest.raises(ValueError, match=r"mask: shape \[3, 4, 4\] does not broadcast"):
         ours("reference")(q, q, q, mask=jnp.ones((3, 4, 4), bool))

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _flax_support import BACKENDS, PRIMARY, close, ours, x
+from attn_backends import FallbackWarning
+from attn_backends.flax import DENSE_PATH
 from flax import nnx
 
 F, HEADS = 32, 4
@@ -112,3 +114,47 @@ def test_dropout_is_refused_with_the_reason_and_deterministic_runs() -> None:
     close(got, m(inputs, deterministic=True), atol=2e-6)
 
 
+@pytest.mark.parametrize("tq, tk", [(6, 11), (11, 6)], ids=["tq<tk", "tq>tk"])
+def test_nnx_sow_weights_are_flaxs_with_gqa_and_top_left_causal(tq: int, tk: int) -> None:
+    # Top-left causal cross-attention both ways round, GQA 4:2: flax's own
+    # weights and output are the oracle (every row sees key 0, so they agree).
+    flax_graph, our_graph, state = _nnx_pair(PRIMARY, 2)
+    xq, xkv = x(5, 2, tq, F), x(6, 2, tk, F)
+    weight = x(7, 2, tq, F)
+
+    def loss(graph, state, xq, xkv):
+        # nnx.capture: flax's way to collect what a module sows.
+        forward = nnx.capture(nnx.merge(graph, state), nnx.Intermediate)
+        out, sown = forward(xq, xkv, is_causal=True, sow_weights=True)
+        return jnp.sum(out * weight), (out, sown)
+
+    grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3), has_aux=True), static_argnums=0)
+    want_grads, (want, want_sown) = grad(flax_graph, state, xq, xkv)
+    with pytest.warns(FallbackWarning, match="dense path"):
+        got_grads, (got, got_sown) = grad(our_graph, state, xq, xkv)
+    (weights,) = got_sown["attention_weights"]
+    assert weights.shape == (2, HEADS, tq, tk)
+    close(got_sown, want_sown, atol=2e-6)
+    close(got, want, atol=2e-6)
+    close(got_grads, want_grads, atol=5e-5)
+
+
+def test_nnx_served_and_explain_say_what_each_signature_became() -> None:
+    m = _module(2)
+    fn = m.attention_fn = ours(PRIMARY)
+    xq, xkv = x(8, 2, 6, F), x(9, 2, 11, F)
+    step = nnx.jit(lambda m, xq, xkv: m(xq, xkv, is_causal=True))
+    step(m, xq, xkv)
+    step(m, xq, xkv)
+    with pytest.warns(FallbackWarning, match="dense path"):
+        nnx.jit(nnx.capture(lambda m, x: m(x, sow_weights=True), nnx.Intermediate))(m, xq)
+    assert [(s.query[-3], s.key[-3], s.sow_weights, backend)
+            for s, backend in fn.served.items()] == [(6, 11, False, PRIMARY),
+                                                     (6, 6, True, DENSE_PATH)]
+    causal, sown = fn.explain().calls
+    # The contract call of top-left causal with Tq < Tk: keys cut to Tq, causal.
+    assert (causal.call.kv_len, causal.call.causal, causal.call.kv_heads) == (6, True, 2)
+    assert causal.explanations[0].chosen == PRIMARY and not sown.explanations
+    text = str(fn.explain())
+    assert "keys cut to the first 6, causal=True" in text
+    assert f"served by: {PRIMARY}" in text and f"served by: {DENSE_PATH}" in text

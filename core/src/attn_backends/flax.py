@@ -38,14 +38,31 @@ What flax passes, and what becomes of it:
   here as ``mask``.
 - ``dtype``: query, key and value are promoted to it (or to their common
   dtype), as flax does; the output has that dtype.
-- ``precision`` is not forwarded: each backend fixes its own matmul
+- ``precision`` is not forwarded to backends: each fixes its own matmul
   precision (softmax is float32 in every backend), as flax's own
-  ``jax.nn.dot_product_attention`` path ignores it too.
+  ``jax.nn.dot_product_attention`` path ignores it too; the dense path below
+  uses it, as flax's own einsums do.
   ``force_fp32_for_softmax`` (linen) is always true here.
+- ``module`` (flax passes it for ``sow_weights=True``): the weights are
+  asked for, and no registry backend materialises them. That call is served
+  on purpose by the adapter's own dense path (:func:`_dense`): the contract's
+  rules exactly (the causal mapping above, mask, bias, GQA, float32 softmax;
+  a row with no visible key has zero weights), whose output is that same
+  ``weights @ value``, so the two agree. The weights ``[batch..., Hq, Tq,
+  Tk]`` are sown where flax's own attention sows them: linen's
+  ``"intermediates"`` collection, nnx's ``nnx.Intermediate``, under
+  ``"attention_weights"``, in the computation dtype (float32 with linen's
+  ``force_fp32_for_softmax``). One ``FallbackWarning`` per call signature says
+  so, following the attention's ``fallback`` (``"silent"``: none; ``"error"``:
+  ``UnsupportedError`` instead).
 - Refused, with an error saying why and what to do: attention dropout
-  (``dropout_rate > 0`` and not ``deterministic``), ``sow_weights=True``
-  (``module``), and linen's quantized ``qk_attn_weights_einsum`` /
-  ``attn_weights_value_einsum``.
+  (``dropout_rate > 0`` and not ``deterministic``), and linen's quantized
+  ``qk_attn_weights_einsum`` / ``attn_weights_value_einsum``.
+
+Which backend served each call: ``fn.served`` maps every call signature the
+adapter has served (:class:`FlaxSignature`) to the backend's name, and
+``fn.explain()`` gives, per signature, the contract call it became (batch dims
+flattened, the causal mapping) and the registry's explanation.
 
 Two differences from flax's own attention remain, both the contract's: a row
 with no visible key gives zeros (flax gives the mean of value over all keys),
@@ -55,15 +72,24 @@ and its gradients are zeros.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .choose.attention import Attention
+from .choose.attention import SELECTION_CACHE_SIZE, Attention
+from .choose.select import Explanation
+from .contract.call import AttentionCall, bind
+from .contract.errors import FallbackWarning, UnsupportedError, warn
 
-__all__ = ["FlaxAttention", "attention_fn"]
+__all__ = ["FlaxAttention", "FlaxExplanation", "FlaxSignature", "ServedCall", "attention_fn"]
+
+#: The name ``served`` and ``explain()`` give the adapter's own path for ``sow_weights``.
+DENSE_PATH = "attn_backends.flax dense path (sow_weights)"
 
 _DROPOUT_REFUSED = (
     "attn_backends.flax: attention dropout (dropout_rate={rate}, deterministic=False) is "
@@ -77,19 +103,102 @@ _DROPOUT_REFUSED = (
 )
 
 
+@dataclass(frozen=True)
+class FlaxSignature:
+    """One call signature as flax made it: shapes before flattening, the dtype
+    computed in (after promotion), mask and bias shapes, and the flags."""
+
+    query: tuple[int, ...]
+    key: tuple[int, ...]
+    value: tuple[int, ...]
+    dtype: str
+    mask: tuple[int, ...] | None = None
+    bias: tuple[int, ...] | None = None
+    is_causal: bool = False
+    sow_weights: bool = False
+
+    def __str__(self) -> str:
+        def dims(shape: tuple[int, ...]) -> str:
+            return "[" + ",".join(map(str, shape)) + "]"
+
+        parts = [f"query{dims(self.query)} key{dims(self.key)} value{dims(self.value)}",
+                 self.dtype]
+        parts += [f"{name}{dims(shape)}" for name, shape in (("mask", self.mask),
+                                                             ("bias", self.bias)) if shape]
+        parts += [flag for flag in ("is_causal", "sow_weights") if getattr(self, flag)]
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class ServedCall:
+    """What one flax call signature became and who served it.
+
+    ``call`` is the contract call (batch dims flattened into B, ``is_causal``
+    mapped as ``mapping`` says); ``backend`` the serving backend's name
+    (``"tpu=a, cpu=b"`` when platforms differ; :data:`DENSE_PATH` for
+    ``sow_weights``); ``explanations`` the registry's, one per platform
+    (none for the dense path, which asks no backend).
+    """
+
+    signature: FlaxSignature
+    call: AttentionCall
+    mapping: str
+    backend: str
+    explanations: tuple[Explanation, ...] = ()
+
+    def __str__(self) -> str:
+        lines = [f"flax call: {self.signature}",
+                 f"contract call: {self.call.describe()} ({self.mapping})",
+                 f"served by: {self.backend}"]
+        if not self.explanations:
+            lines.append("  the weights were asked for (sow_weights=True), which no registry "
+                         "backend materialises: the adapter computed them densely, with the "
+                         "output as their product with value")
+        for explanation in self.explanations:
+            lines += ["  " + line for line in str(explanation).splitlines()]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class FlaxExplanation:
+    """``FlaxAttention.explain()``: every call signature served so far, oldest first."""
+
+    calls: tuple[ServedCall, ...]
+
+    def __str__(self) -> str:
+        if not self.calls:
+            return ("attn_backends.flax: no call served yet (trace or run the module first: "
+                    "signatures are recorded when a call is traced)")
+        return "\n\n".join(map(str, self.calls))
+
+
 class FlaxAttention:
     """flax's ``attention_fn`` signature over a registry ``Attention``; see the module doc.
 
     Build it with :func:`attention_fn`. ``self.attention`` is the registry
-    ``Attention`` every call goes through (``self.attention.explain(...)``
-    says which backend serves a call).
+    ``Attention`` every call goes through; ``served`` and ``explain()`` say
+    which backend served each call signature (recorded when it is traced).
     """
 
     def __init__(self, attention: Attention):
         self.attention = attention
+        self._calls: OrderedDict[FlaxSignature, ServedCall] = OrderedDict()
+        self._lock = threading.RLock()
 
     def __repr__(self) -> str:
         return f"<FlaxAttention over {self.attention!r}>"
+
+    @property
+    def served(self) -> dict[FlaxSignature, str]:
+        """Each call signature served so far -> the name of the backend that served it."""
+        with self._lock:
+            return {signature: served.backend for signature, served in self._calls.items()}
+
+    def explain(self) -> FlaxExplanation:
+        """Per call signature served so far: the contract call it became, the causal
+        mapping, the backend, and the registry's explanation (printable)."""
+        with self._lock:
+            return FlaxExplanation(tuple(self._calls.values()))
 
     def __call__(
         self,
@@ -115,11 +224,12 @@ class FlaxAttention:
         ``[batch..., Tk, Hkv, Dv]`` -> ``[batch..., Tq, Hq, Dv]``.
 
         ``broadcast_dropout`` and ``dropout_rng`` matter only for the dropout
-        this adapter refuses; ``precision`` and ``force_fp32_for_softmax``
-        are accepted and left to the backend (module doc).
+        this adapter refuses; ``precision`` is accepted and left to the
+        backend, ``force_fp32_for_softmax`` is always true here (module doc).
+        ``module`` sows the weights ``[batch..., Hq, Tq, Tk]`` (module doc).
         """
         _refuse_unsupported(
-            dropout_rate, deterministic, module, qk_attn_weights_einsum, attn_weights_value_einsum
+            dropout_rate, deterministic, qk_attn_weights_einsum, attn_weights_value_einsum
         )
         if promote_dtype is not None:
             query, key, value = promote_dtype((query, key, value), dtype=dtype)
@@ -129,6 +239,13 @@ class FlaxAttention:
         batch = _batch_dims(query, key, value)
         tq, hq = query.shape[-3], query.shape[-2]
         tk = key.shape[-3]
+        signature = FlaxSignature(
+            tuple(query.shape), tuple(key.shape), tuple(value.shape),
+            jnp.dtype(query.dtype).name,
+            None if mask is None else tuple(jnp.shape(mask)),
+            None if bias is None else tuple(jnp.shape(bias)),
+            bool(is_causal), module is not None,
+        )
         flat = math.prod(batch)
         q, k, v = (x.reshape((flat, *x.shape[-3:])) for x in (query, key, value))
         if mask is not None:
@@ -147,8 +264,53 @@ class FlaxAttention:
                 window = (None, tq - tk)
             else:
                 causal = True
-        out = self.attention(q, k, v, causal=causal, window=window, mask=mask, bias=bias)
+        kwargs = {"causal": causal, "window": window, "mask": mask, "bias": bias}
+        if module is None:
+            out = self.attention(q, k, v, **kwargs)
+            self._record(signature, q, k, v, kwargs, batch)
+        else:
+            call, _ = bind(q, k, v, **kwargs)
+            self._record(signature, q, k, v, kwargs, batch, call)
+            out, weights = _dense(call, q, k, v, mask, bias, precision)
+            # Keys a top-left causal call cut are visible to no query: weight 0.
+            weights = jnp.pad(weights, ((0, 0), (0, 0), (0, 0), (0, tk - weights.shape[-1])))
+            sown = jnp.float32 if force_fp32_for_softmax else query.dtype
+            _sow(module, weights.astype(sown).reshape((*batch, hq, tq, tk)))
+            out = out.astype(query.dtype)
         return out.reshape((*batch, tq, hq, out.shape[-1]))
+
+    def _record(self, signature: FlaxSignature, q: jax.Array, k: jax.Array, v: jax.Array,
+                kwargs: dict[str, Any], batch: tuple[int, ...],
+                dense_call: AttentionCall | None = None) -> None:
+        """Remember what ``signature`` became, on its first sight (at trace time);
+        the dense path says so then, once, as the attention's ``fallback`` asks."""
+        # Held throughout, so threads tracing one signature at once warn once.
+        with self._lock:
+            if signature in self._calls:
+                self._calls.move_to_end(signature)
+                return
+            mapping = _mapping(signature, batch)
+            if dense_call is not None:
+                _announce_dense(self.attention.fallback, signature)
+                served = ServedCall(signature, dense_call, mapping, DENSE_PATH)
+            else:
+                served = self._explained(signature, mapping, q, k, v, kwargs)
+            self._calls[signature] = served
+            while len(self._calls) > SELECTION_CACHE_SIZE:
+                self._calls.popitem(last=False)
+
+    def _explained(self, signature: FlaxSignature, mapping: str, q: jax.Array, k: jax.Array,
+                   v: jax.Array, kwargs: dict[str, Any]) -> ServedCall:
+        """The registry's explanation of the contract call, one per platform served."""
+        attention = self.attention
+        explanations = [attention.explain(q, k, v, **kwargs)]
+        call = explanations[0].call
+        explanations += [attention.explain_call(call, platform=p)
+                         for p, _ in attention.platforms[1:]]
+        chosen = {e.platform: e.chosen or "?" for e in explanations}
+        backend = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
+                   else ", ".join(f"{p}={name}" for p, name in chosen.items()))
+        return ServedCall(signature, call, mapping, backend, tuple(explanations))
 
 
 def attention_fn(attention: Attention | None = None, **get_kwargs: Any) -> FlaxAttention:
@@ -172,25 +334,22 @@ def attention_fn(attention: Attention | None = None, **get_kwargs: Any) -> FlaxA
             "attention_fn: expected an attn_backends.Attention (from registry.get(...)), "
             f"got {type(attention).__name__}"
         )
+    if attention.layout != "BTNH":
+        raise ValueError(
+            f"attention_fn: flax hands over [batch..., T, H, D] arrays, but this attention "
+            f"takes layout={attention.layout!r}: get it with the default layout='BTNH'"
+        )
     return FlaxAttention(attention)
 
 
 def _refuse_unsupported(
     dropout_rate: float,
     deterministic: bool,
-    module: Any,
     qk_einsum: Any,
     value_einsum: Any,
 ) -> None:
     if dropout_rate > 0.0 and not deterministic:
         raise NotImplementedError(_DROPOUT_REFUSED.format(rate=dropout_rate))
-    if module is not None:
-        raise NotImplementedError(
-            "attn_backends.flax: sow_weights=True asks for the attention weights, which a "
-            "registry backend never materialises (flash kernels exist to avoid them). Call "
-            "the module without sow_weights, or use flax's own dot_product_attention for the "
-            "call that must sow them."
-        )
     if qk_einsum is not None or value_einsum is not None:
         raise NotImplementedError(
             "attn_backends.flax: qk_attn_weights_einsum / attn_weights_value_einsum (quantized "
@@ -244,3 +403,82 @@ def _pairwise(
             f"[batch..., heads, q_len, kv_len] = {list(full)}"
         ) from None
     return x.reshape((math.prod(target_batch), heads, tq, tk))
+
+
+def _mapping(signature: FlaxSignature, batch: tuple[int, ...]) -> str:
+    """How a flax call became its contract call, for people."""
+    tq, tk = signature.query[-3], signature.key[-3]
+    parts = [f"batch dims {list(batch)} flattened into B={math.prod(batch)}"]
+    if not signature.is_causal:
+        parts.append("no is_causal")
+    elif tq == tk:
+        parts.append("is_causal (top-left) with Tq == Tk: causal=True")
+    elif tq < tk:
+        parts.append(f"is_causal (top-left) with Tq < Tk: keys cut to the first {tq}, "
+                     "causal=True")
+    else:
+        parts.append(f"is_causal (top-left) with Tq > Tk: window=(None, {tq - tk})")
+    if signature.sow_weights:
+        parts.append("sow_weights: the adapter's dense path")
+    return "; ".join(parts)
+
+
+def _announce_dense(fallback: str, signature: FlaxSignature) -> None:
+    """The one word, per signature, that the dense path serves a sown-weights call."""
+    message = (
+        f"attn_backends.flax: the call {signature} asks for the attention weights, "
+        "which no registry backend materialises; this call is served by the adapter's dense "
+        "path (the contract's rules, float32 softmax), whose output is those weights times "
+        "value. Calls without sow_weights go to the registry as before."
+    )
+    if fallback == "error":
+        raise UnsupportedError(
+            message + " (fallback='error': drop sow_weights, or get the attention with "
+            "fallback='warn')"
+        )
+    if fallback != "silent":
+        warn(message, FallbackWarning)
+
+
+def _dense(call: AttentionCall, q: jax.Array, k: jax.Array, v: jax.Array,
+           mask: jax.Array | None, bias: jax.Array | None,
+           precision: Any = None) -> tuple[jax.Array, jax.Array]:
+    """The contract's attention, materialised: ``call`` as bound (causal and window
+    aligned bottom-right, mask, bias, GQA; no softcap, ids or lengths, which the
+    adapter never passes). q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk,
+    Hkv, Dv]`` -> out ``[B, Tq, Hq, Dv]`` float32 and weights ``[B, Hq, Tq, Tk]``
+    float32, out = weights @ v; a row with no visible key has zero weights.
+    ``precision`` is flax's, for both matmuls, as flax's own attention uses it."""
+    f32 = jnp.float32
+    kk, vv = (jnp.repeat(x.astype(f32), call.group, axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(f32), kk, precision=precision) * call.scale
+    if bias is not None:
+        s = s + bias.astype(f32)
+    row = jnp.arange(call.q_len)[:, None] + call.offset
+    col = jnp.arange(call.kv_len)[None, :]
+    visible = jnp.ones((call.q_len, call.kv_len), bool)
+    left, right = call.window or (None, None)
+    if call.causal:
+        visible &= col <= row
+    if left is not None:
+        visible &= col >= row - left
+    if right is not None:
+        visible &= col <= row + right
+    if mask is not None:
+        visible = visible & mask
+    # Softmax over visible keys; the max is a constant shift (no gradient), and a
+    # row that sees nothing gets zeros, never NaN.
+    peak = jax.lax.stop_gradient(
+        jnp.max(jnp.where(visible, s, -jnp.inf), -1, keepdims=True, initial=-jnp.inf)
+    )
+    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
+    total = p.sum(-1, keepdims=True)
+    weights = p / jnp.where(total > 0, total, 1.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, vv, precision=precision), weights
+
+
+def _sow(module: Any, weights: jax.Array) -> None:
+    """Sow ``weights`` where flax's own ``dot_product_attention`` does: linen's
+    ``"intermediates"`` collection; nnx reads that name as ``nnx.Intermediate``
+    (flax 0.12.8 and 0.12.12), where its own attention sows."""
+    module.sow("intermediates", "attention_weights", weights)

@@ -86,7 +86,9 @@ from .choose.select import Explanation
 from .contract.call import AttentionCall, bind
 from .contract.errors import FallbackWarning, UnsupportedError, warn
 
-__all__ = ["FlaxAttention", "FlaxExplanation", "FlaxSignature", "ServedCall", "attention_fn"]
+__all__ = [
+    "DENSE_PATH", "FlaxAttention", "FlaxExplanation", "FlaxSignature", "ServedCall", "attention_fn",
+]
 
 #: The name ``served`` and ``explain()`` give the adapter's own path for ``sow_weights``.
 DENSE_PATH = "attn_backends.flax dense path (sow_weights)"

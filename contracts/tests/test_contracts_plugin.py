@@ -73,8 +73,8 @@ def test_key_mask_cases_reach_a_manifest_with_segment_ids_but_no_mask() -> None:
     neither = cases_for(Capabilities(platforms={"cpu"}, causal=True))
     assert not any(c.family == "key_mask" for c in neither)
     masker = cases_for(Capabilities(platforms={"cpu"}, causal=True, mask=True))
-    assert {c.name for c in masker if c.family == "key_mask"} == {"b2", "empty-example-b3",
-                                                                  "shared-causal-q13k29"}
+    assert {c.name for c in masker if c.family == "key_mask"} == {
+        "b2", "empty-example-b3", "shared-causal-q13k29", "q130k300-b2"}
 
 
 def test_tiles_twins_and_long_cases() -> None:

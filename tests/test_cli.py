@@ -46,6 +46,21 @@ def test_explain_prints_every_verdict(capsys):
     assert data["chosen"] == "reference" and data["call"]["window"] == [32, None]
 
 
+def test_explain_says_a_key_mask_is_rewritten_for_a_tpu_kernel(capsys, monkeypatch):
+    import attn_backends
+
+    monkeypatch.delenv("ATTN_BACKENDS_PALLAS_INTERPRET", raising=False)
+    monkeypatch.setattr(attn_backends._wiring, "registry",
+                        attn_backends.Registry(only=["flash_pallas", "reference"]))
+    argv = ["explain", "--device", "tpu", "--q", "2,1,8,128", "--kv", "2,512,2,128",
+            "--dtype", "bfloat16", "--key-mask"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("flash_pallas"))
+    assert "CHOSEN" in lines[at] and lines[at + 1].strip() == "= key mask rewritten as segment ids"
+    assert not any("key mask" in line for line in lines[at + 2:])  # reference gets the mask
+
+
 def test_explain_bad_input_is_a_message_not_a_traceback(capsys):
     assert main(["explain", "--q", "1,8,3,64", "--kv", "1,8,2,64"]) == 2
     err = capsys.readouterr().err

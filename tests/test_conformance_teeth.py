@@ -304,3 +304,51 @@ def test_a_case_that_raises_inside_a_batch_fails_alone(tmp_path: Path) -> None:
         ("test_forward", "shapes-q37k1-float32"), ("test_gradients", "shapes-q37k1-float32")}
     assert all("no kernel for Tq=37" in f["message"] for f in cert["failures"])
     assert cert["cases"]["passed"] >= 2 * 7  # the other seven shapes, forward and gradients
+
+
+class IdsOnly(Dense):
+    """Correct, claiming segment ids but not masks: key masks reach it as segment ids."""
+
+    name = "teeth_ids_only"
+    capabilities = replace(_FULL, mask=False)
+
+
+def _ids_forgotten(call: AttentionCall, ops: Operands) -> Operands:
+    """A rewrite that drops the call's own segment ids."""
+    from attn_backends.choose import dispatch
+
+    return dispatch._key_mask_rewrite(call, ops._replace(q_segment_ids=None,
+                                                         kv_segment_ids=None))
+
+
+def _masked_keys_visible(call: AttentionCall, ops: Operands) -> Operands:
+    """A rewrite that gives masked keys the visible id."""
+    from attn_backends.choose import dispatch
+
+    return dispatch._key_mask_rewrite(call, ops._replace(mask=jnp.ones_like(ops.mask)))
+
+
+def test_key_mask_cases_certify_the_rewrite_to_segment_ids(tmp_path: Path) -> None:
+    code, cert = _certify(IdsOnly(), tmp_path, ["--attn-only=key_mask"])
+    assert code == 0, cert["failures"]
+    assert cert["cases"]["passed"] >= 6 and {f["family"] for f in cert["failures"]} == set()
+
+
+@pytest.mark.parametrize("mutant", [_ids_forgotten, _masked_keys_visible],
+                         ids=lambda m: m.__name__.strip("_"))
+def test_a_broken_rewrite_fails_the_key_mask_family(mutant: Any, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from attn_backends.choose import dispatch
+
+    monkeypatch.setattr(dispatch, "_key_mask_rewrite", dispatch.key_mask_as_segment_ids,
+                        raising=False)
+    monkeypatch.setattr(dispatch, "key_mask_as_segment_ids", mutant)
+    code, cert = _certify(IdsOnly(), tmp_path, ["--attn-only=key_mask"])
+    failed = _failed(cert)
+    assert code != 0 and "key_mask" in failed
+    if mutant is _masked_keys_visible:  # every quick case hides keys
+        assert {"test_forward:key_mask-b2-float32",
+                "test_forward:key_mask-empty-example-b3-float32"} <= failed
+    else:  # only the case with segment ids of its own
+        assert {k for k in failed if k.startswith("test_forward:")} == {
+            "test_forward:key_mask-segments-empty-b3-float32"}

@@ -63,6 +63,20 @@ def test_cases_follow_the_manifest() -> None:
     assert any(c.q_len != c.kv_len and c.causal for c in cases)
 
 
+def test_key_mask_cases_reach_a_manifest_with_segment_ids_but_no_mask() -> None:
+    from attn_backends import Capabilities
+
+    ids_only = cases_for(Capabilities(platforms={"cpu"}, causal=True, segment_ids=True))
+    families = {c.family for c in ids_only}
+    assert "key_mask" in families and "mask" not in families
+    assert any(c.mask == "key_empty" and c.segments for c in ids_only)
+    neither = cases_for(Capabilities(platforms={"cpu"}, causal=True))
+    assert not any(c.family == "key_mask" for c in neither)
+    masker = cases_for(Capabilities(platforms={"cpu"}, causal=True, mask=True))
+    assert {c.name for c in masker if c.family == "key_mask"} == {
+        "b2", "empty-example-b3", "shared-causal-q13k29", "q130k300-b2"}
+
+
 def test_tiles_twins_and_long_cases() -> None:
     from attn_backends import FEATURES, Capabilities
     from attn_backends_contracts.cases import NO_TILES

@@ -92,8 +92,8 @@ def test_not_an_array():
     "kwargs,match",
     [
         ({"mask": jnp.ones((2, 4, 6, 9), bool)},
-         r"mask: expected shape \[B\|1, Hq\|1, Tq, Tk\] = \[2\|1, 4\|1, 6, 10\], "
-         r"got \[2, 4, 6, 9\]"),
+         r"mask: expected shape \[B\|1, Hq\|1, Tq, Tk\] = \[2\|1, 4\|1, 6, 10\] "
+         r"or a key mask \[2\|1, 1, 1, 10\], got \[2, 4, 6, 9\]"),
         ({"mask": jnp.ones((2, 2, 6, 10), bool)}, r"mask: expected shape .* got \[2, 2, 6, 10\]"),
         ({"mask": jnp.ones((6, 10), bool)}, r"mask: expected shape .* got \[6, 10\]"),
         ({"mask": jnp.ones((1, 1, 6, 10), jnp.float32)},

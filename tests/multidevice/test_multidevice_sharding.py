@@ -215,3 +215,23 @@ def test_a_backend_run_per_device_is_refused_when_the_per_device_call_is_not_ser
     _, _, explanation, verdicts = _per_device_setup(eight_heads)
     assert verdicts["per_device"].reasons == ("needs 8 query heads, got 2",)
     assert explanation.chosen == "partitioned", str(explanation)
+
+
+def test_a_key_mask_reaches_a_per_device_segment_ids_backend_as_ids():
+    """Batch over dp, heads over tp: each device rewrites its own rows of the key
+    mask (example 1 sees no key) and gets the masked answer."""
+    from _support import Plugin, make_backend
+
+    fake = make_backend("ids_per_device", priority=30, partitionable=False, mask=False)
+    registry = ab.Registry(plugins=[Plugin(fake)], autoload=False, probe=None)
+    mesh = _mesh()
+    att = registry.get(mesh=mesh, fallback="error")
+    mask = np.random.default_rng(7).uniform(size=(B, 1, 1, T)) < 0.6
+    mask[1] = False
+    args = [jax.device_put(x, NamedSharding(mesh, SPEC)) for x in _inputs()]
+    explanation = str(att.explain(*args, mask=mask))
+    assert "each device calling it with q[1,32,2,64] kv[1,32,1,64/64] float32 gqa " \
+        "segment_ids" in explanation and "= key mask rewritten as segment ids" in explanation
+    out = jax.jit(lambda q, k, v, m: att(q, k, v, mask=m))(*args, mask)
+    np.testing.assert_allclose(out, oracle(*_inputs(), mask=mask)[0], atol=2e-5)
+    assert not np.any(np.asarray(out)[1])

@@ -22,8 +22,10 @@ class Case:
     query rows share no id with any key). ``mask`` / ``bias``: "full"
     ``[B,Hq,Tq,Tk]``, "shared" ``[1,1,..]``, "per_batch" ``[B,1,..]``,
     "per_head" ``[1,Hq,..]``, or for mask "empty_rows" (full, some rows all
-    False). ``inputs``: "normal", "large" (q, k scaled by 1e3), "equal" (every
-    key identical: equal logits), "garbage" (invisible keys hold ``GARBAGE``).
+    False) and the key masks "key" ``[B,1,1,Tk]``, "key_shared" ``[1,1,1,Tk]``
+    and "key_empty" (``[B,1,1,Tk]``, example 1 sees no key). ``inputs``:
+    "normal", "large" (q, k scaled by 1e3), "equal" (every key identical:
+    equal logits), "garbage" (invisible keys hold ``GARBAGE``).
     ``lse``: request ``return_lse`` when the backend claims it (the
     ``return_lse`` feature itself is ``return_lse``). ``tiles``: run under the
     backend's ``tile_small_options(call)`` instead of its default options.

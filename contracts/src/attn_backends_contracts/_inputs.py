@@ -45,6 +45,7 @@ def _pair_shape(kind: str, b: int, h: int, tq: int, tk: int) -> tuple[int, int, 
     return {
         "full": (b, h, tq, tk), "empty_rows": (b, h, tq, tk), "shared": (1, 1, tq, tk),
         "per_batch": (b, 1, tq, tk), "per_head": (1, h, tq, tk),
+        "key": (b, 1, 1, tk), "key_empty": (b, 1, 1, tk), "key_shared": (1, 1, 1, tk),
     }[kind]
 
 
@@ -82,6 +83,8 @@ def make_inputs(case: Case) -> dict[str, Any]:
         mask = rng.uniform(size=_pair_shape(case.mask, b, hq, tq, tk)) < 0.75
         if case.mask == "empty_rows":
             mask[:, :, ::3] = False
+        if case.mask == "key_empty":
+            mask[min(1, b - 1)] = False  # an example that sees no key at all
         kwargs["mask"] = mask
     if case.bias is not None:
         bias = rng.standard_normal(_pair_shape(case.bias, b, hq, tq, tk))

@@ -122,6 +122,26 @@ MASKED_ROWS = (
     _c("masked_rows", "window-past-length", q_len=5, kv_len=19, window=(0, 0),
        kv_lengths=(10,), lse=True),
 )
+# Key masks [B|1, 1, 1, Tk] (a padding mask, a decode cache's filled part): a
+# backend claiming mask gets them broadcast to [B|1, 1, Tq, Tk], one claiming
+# segment ids but not mask gets them as segment ids (combined with the call's
+# own) through the registry's rewrite, so these cases certify that rewrite too.
+# Examples that see no key, segment ids, causal, GQA, and a decode step against
+# a cache spanning several kv blocks (300 keys: three blocks of 128).
+KEY_MASK = (
+    _c("key_mask", "b2", batch=2, mask="key", quick=True),
+    _c("key_mask", "empty-example-b3", batch=3, mask="key_empty", lse=True, quick=True),
+    _c("key_mask", "shared-causal-q13k29", q_len=13, kv_len=29, mask="key_shared",
+       causal=True),
+    _c("key_mask", "segments-empty-b3", batch=3, mask="key_empty", segments="packed",
+       lse=True, quick=True),
+    _c("key_mask", "gqa-lengths-q9k21-b2", batch=2, q_len=9, kv_len=21, q_heads=4, kv_heads=2,
+       mask="key", kv_lengths=(21, 8)),
+    _c("key_mask", "q130k300-b2", batch=2, q_len=130, kv_len=300, q_heads=1, kv_heads=1,
+       mask="key_empty", causal=True, lse=True),
+    _c("key_mask", "decode-q1k300-b2", batch=2, q_len=1, kv_len=300, q_heads=4, kv_heads=2,
+       head_dim=128, mask="key_empty"),
+)
 MAGNITUDE = (
     _c("magnitude", "large", inputs="large", lse=True, quick=True),
     _c("magnitude", "large-causal-q7k19", inputs="large", causal=True, q_len=7, kv_len=19),
@@ -158,7 +178,8 @@ RAGGED = (
 TABLES: dict[str, tuple[Case, ...]] = {
     t[0].family: t
     for t in (SHAPES, BLOCKS, GQA, CAUSAL, WINDOW, SEGMENT_IDS, LENGTHS, MASK, BIAS,
-              SOFTCAP, RETURN_LSE, COMBINED, MASKED_ROWS, MAGNITUDE, RAGGED, DECODE, LONG)
+              SOFTCAP, RETURN_LSE, COMBINED, MASKED_ROWS, KEY_MASK, MAGNITUDE, RAGGED, DECODE,
+              LONG)
 }
 
 #: Cases repeated in every claimed dtype besides the primary one ((family, name)).
@@ -166,6 +187,7 @@ DTYPE_SWEEP = (
     ("shapes", "q17k17"), ("shapes", "q13k29"), ("gqa", "h4kv2"), ("causal", "q7k19"),
     ("masked_rows", "causal-q23k5"), ("magnitude", "large"), ("bias", "full"),
     ("bias", "per-batch-f32"), ("lengths", "kv-b3"), ("combined", "all"),
+    ("key_mask", "segments-empty-b3"), ("key_mask", "decode-q1k300-b2"),
 )
 #: Families that run whole in every claimed dtype, not only the primary one.
 EVERY_DTYPE = frozenset({"decode"})
@@ -258,9 +280,20 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
         d = case.head_dim if case.head_dim and _head_dim_ok(caps.head_dims, case.head_dim) else base
         case = replace(case, head_dim=d, v_head_dim=case.v_head_dim or d,
                        return_lse=case.return_lse or (case.lse and caps.return_lse))
-        if case.features <= caps.features:
+        if served_features(case, caps) <= caps.features:
             out.append(case)
     return out
+
+
+def served_features(case: Case, capabilities: Any) -> frozenset[str]:
+    """The features of the call the registry hands the backend for ``case``: a key
+    mask reaches a manifest with segment ids but no mask as segment ids
+    (``attn_backends.Capabilities.served_call``)."""
+    features = case.features
+    key_mask = case.mask is not None and case.mask.startswith("key")
+    if key_mask and not capabilities.mask and capabilities.segment_ids:
+        return (features - {"mask"}) | {"segment_ids"}
+    return features
 
 
 #: Per feature, what a small call adds to use it (unclaimed, masking-effect tests).

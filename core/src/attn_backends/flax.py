@@ -24,7 +24,10 @@ What flax passes, and what becomes of it:
   ``num_kv_heads``) is the contract's GQA.
 - ``mask`` (bool or float, broadcastable to ``[batch..., Hq, Tq, Tk]``):
   cast to bool (nonzero = visible, as flax reads it) and broadcast to
-  ``[B|1, Hq|1, Tq, Tk]``. ``bias``: broadcast the same way.
+  ``[B|1, Hq|1, Tq, Tk]``; a mask whose head and query axes are 1 (flax's
+  decode cache mask, a padding mask ``[B, 1, 1, Tk]``) stays a key mask
+  ``[B|1, 1, 1, Tk]``, which core can hand a kernel as segment ids.
+  ``bias``: broadcast to ``[B|1, Hq|1, Tq, Tk]``.
 - ``is_causal`` is flax's (and ``jax.nn.dot_product_attention``'s) causal,
   aligned top-left: key j is visible to query i when ``j <= i``. The
   contract's ``causal`` is aligned bottom-right (``j <= i + Tk - Tq``). The
@@ -383,7 +386,8 @@ def _pairwise(
     """flax's ``[batch..., Hq, Tq, Tk]``-broadcastable x -> the contract's ``[B|1, Hq|1, Tq, Tk]``.
 
     Batch and head dims of size 1 stay 1 (no copy per batch or head); the
-    two length dims are broadcast, since the contract needs them whole.
+    two length dims are broadcast, since the contract needs them whole,
+    except a mask's Tq when its heads and Tq are 1: a key mask ``[B|1, 1, 1, Tk]``.
     """
     full = (*batch, hq, tq, tk)
     if x.ndim > len(full):
@@ -397,14 +401,16 @@ def _pairwise(
     keep_batch = all(d == 1 for d in x.shape[:nb])
     target_batch = (1,) * nb if keep_batch else batch
     heads = 1 if x.shape[nb] == 1 else hq
+    # A mask equal for every head and query row stays a key mask [B|1, 1, 1, Tk].
+    rows = 1 if name == "mask" and x.shape[nb:nb + 2] == (1, 1) else tq
     try:
-        x = jnp.broadcast_to(x, (*target_batch, heads, tq, tk))
+        x = jnp.broadcast_to(x, (*target_batch, heads, rows, tk))
     except ValueError:
         raise ValueError(
             f"attn_backends.flax: {name}: shape {list(given)} does not broadcast to "
             f"[batch..., heads, q_len, kv_len] = {list(full)}"
         ) from None
-    return x.reshape((math.prod(target_batch), heads, tq, tk))
+    return x.reshape((math.prod(target_batch), heads, rows, tk))
 
 
 def _mapping(signature: FlaxSignature, batch: tuple[int, ...]) -> str:

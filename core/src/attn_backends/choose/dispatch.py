@@ -124,16 +124,81 @@ class Served:
 
         def branch(platform: str, backend: Backend) -> Callable[..., Any]:
             def run(q: Any, k: Any, v: Any, operands: Operands) -> Any:
-                refuse_unclaimed(backend, call)
+                # The call this backend is judged on and given (a key mask as
+                # segment ids, or as its pairwise mask): Capabilities.served_call.
+                served = backend.capabilities.served_call(call)
+                operands = served_operands(call, served, operands)
+                refuse_unclaimed(backend, served)
                 q, k, v, operands = guard_gradients(backend, q, k, v, operands)
-                operands = lengths_in_range(call, operands)
+                operands = lengths_in_range(served, operands)
                 with jax.named_scope(f"attn/{backend.name}"):
-                    return backend.attend(dataclasses.replace(call, platform=platform), q, k, v,
-                                          operands, options.get(backend.name))
+                    return backend.attend(dataclasses.replace(served, platform=platform), q, k,
+                                          v, operands, options.get(backend.name))
             return run
 
         branches = {platform: branch(platform, backend) for platform, backend in self.backends}
         return on_platforms(branches, lambda q, *_: empty_result(call, q), q, k, v, operands)
+
+
+def served_operands(call: AttentionCall, served: AttentionCall, operands: Operands) -> Operands:
+    """``operands`` of ``call`` as the backend given ``served`` reads them.
+
+    ``served`` is ``Capabilities.served_call(call)``. A key mask ``[B|1, 1, 1,
+    Tk]`` handed over as a pairwise mask is broadcast to ``[B|1, 1, Tq, Tk]``;
+    handed over as segment ids it becomes :func:`key_mask_as_segment_ids`.
+    Anything else is returned as it is.
+    """
+    if served == call or not call.key_mask:
+        return operands
+    if served.mask_shape is not None:
+        return operands._replace(mask=jnp.broadcast_to(operands.mask, served.mask_shape))
+    return key_mask_as_segment_ids(call, operands)
+
+
+def key_mask_as_segment_ids(call: AttentionCall, operands: Operands) -> Operands:
+    """The segment ids that hide exactly what the key mask ``[B|1, 1, 1, Tk]`` hides.
+
+    Without segment ids: q ids ``[B, Tq]`` are 0, kv ids ``[B, Tk]`` 0 where the
+    mask is True and 1 where it is False. With them, q ids are kept and a masked
+    key takes an id no query row of its example holds (:func:`absent_ids`), so
+    key j is visible to row i exactly when ids are equal and the mask is True:
+    a row that sees no key still sees none (zeros, lse -inf, zero gradients, by
+    the contract's segment ids). Ids narrower than 32 bits are widened to int32
+    first, so an example can never hold every id of the dtype. Causal, window
+    and lengths are untouched: they still apply on top.
+    """
+    b, tq, tk = call.batch, call.q_len, call.kv_len
+    visible = jnp.broadcast_to(operands.mask.reshape(operands.mask.shape[0], tk), (b, tk))
+    if operands.q_segment_ids is None:
+        q_ids = jnp.zeros((b, tq), jnp.int32)
+        kv_ids = jnp.where(visible, 0, 1).astype(jnp.int32)
+    else:
+        q_ids, kv_ids = operands.q_segment_ids, operands.kv_segment_ids
+        common = jnp.promote_types(jnp.promote_types(q_ids.dtype, kv_ids.dtype), jnp.int32)
+        dtype = jax.dtypes.canonicalize_dtype(common)
+        q_ids, kv_ids = q_ids.astype(dtype), kv_ids.astype(dtype)
+        kv_ids = jnp.where(visible, kv_ids, absent_ids(q_ids)[:, None])
+    return operands._replace(mask=None, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+
+def absent_ids(q_ids: Any) -> Any:
+    """``[B]``: per example, an id that none of its query ids ``[B, Tq]`` equals.
+
+    ``min - 1``; when the minimum is the dtype's smallest value, the first gap
+    between the sorted ids plus one; without a gap ``max + 1`` (the ids are then
+    the Tq smallest values, so ``max + 1`` exists). No step can overflow.
+    """
+    smallest = jnp.iinfo(q_ids.dtype).min
+    ordered = jnp.sort(q_ids, axis=1)
+    low, high = ordered[:, 0], ordered[:, -1]
+    above = high + 1
+    if q_ids.shape[1] > 1:
+        below, after = ordered[:, :-1], ordered[:, 1:]
+        # after > below rules out after == smallest, so after - 1 cannot wrap.
+        gap = (after > below) & (after - 1 != below)
+        first = jnp.take_along_axis(below, jnp.argmax(gap, axis=1)[:, None], axis=1)[:, 0]
+        above = jnp.where(gap.any(axis=1), first + 1, above)
+    return jnp.where(low > smallest, low - 1, above)
 
 
 def refuse_unclaimed(backend: Backend, call: AttentionCall) -> None:

@@ -18,6 +18,10 @@ from ..contract.capabilities import in_range
 Probe = Callable[[Backend, AttentionCall, str, Any], "list[str] | None"]
 
 
+#: What ``explain`` says of a backend given a key mask as segment ids.
+KEY_MASK_NOTE = "key mask rewritten as segment ids"
+
+
 @dataclass(frozen=True)
 class Verdict:
     """One backend's answer for one call. ``probed`` is None when no probe ran."""
@@ -32,6 +36,9 @@ class Verdict:
     #: False when the manifest excludes the platform: such a backend is not
     #: "passed over" (no fallback warning for a TPU kernel on a CPU).
     platform_ok: bool = True
+    #: How the call this backend is judged on and given differs from the
+    #: caller's (e.g. "key mask rewritten as segment ids").
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,8 @@ class Explanation:
             "platform": self.platform,
             "platform_present": self.present,
             "chosen": self.chosen,
-            "verdicts": [{**asdict(v), "reasons": list(v.reasons)} for v in self.verdicts],
+            "verdicts": [{**asdict(v), "reasons": list(v.reasons), "notes": list(v.notes)}
+                         for v in self.verdicts],
         }
 
     def to_json(self) -> str:
@@ -81,6 +89,7 @@ class Explanation:
             below_chosen = below_chosen or verdict.backend == self.chosen
             lines.append(f"  {verdict.backend:<16} prio {verdict.priority:>4}  {mark}")
             lines += [f"      - {reason}" for reason in verdict.reasons]
+            lines += [f"      = {note}" for note in verdict.notes]
         if self.chosen is None:
             lines.append("  no backend can serve this call")
         return "\n".join(lines)
@@ -142,6 +151,10 @@ def select(
     shapes); checks and probes judge that call. ``calls_for`` gives several
     calls a backend will receive (a ring's per-block calls): it must pass on
     each. ``reasons_for`` adds reasons of the caller's own (a ring needs lse).
+    Manifest and ``check`` judge each call as the backend's manifest has core
+    hand it over (:meth:`~attn_backends.Capabilities.served_call`: a key mask
+    as segment ids or as a pairwise mask); the probe gets the call itself and
+    runs it the same way.
     """
     verdicts = []
     chosen = None
@@ -151,8 +164,12 @@ def select(
         else:
             judged = [call if call_for is None else call_for(backend)]
         reasons = list(reasons_for(backend)) if reasons_for is not None else []
+        notes: list[str] = []
         for one in judged:
-            found = _reasons(backend, one, platform, jax_version)
+            served = backend.capabilities.served_call(one)
+            if one.key_mask and served.mask_shape is None and KEY_MASK_NOTE not in notes:
+                notes.append(KEY_MASK_NOTE)
+            found = _reasons(backend, served, platform, jax_version)
             reasons += [r for r in found if r not in reasons]
         probed = None
         if not reasons and probe is not None and present and chosen is None:
@@ -175,6 +192,7 @@ def select(
                 reasons=tuple(reasons),
                 probed=probed,
                 platform_ok=platform in backend.capabilities.platforms,
+                notes=tuple(notes),
             )
         )
     return Explanation(call, platform, present, tuple(verdicts), chosen)

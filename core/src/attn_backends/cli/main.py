@@ -164,6 +164,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         kwargs["kv_lengths"] = sds((b,), jnp.int32)
     if args.mask:
         kwargs["mask"] = sds((b, hq, tq, tk), jnp.bool_)
+    if args.key_mask:
+        kwargs["mask"] = sds((b, 1, 1, tk), jnp.bool_)
     if args.bias:
         kwargs["bias"] = sds((b, hq, tq, tk), dtype)
     attention = _registry().get(
@@ -367,7 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_exp.add_argument("--segment-ids", action="store_true")
     p_exp.add_argument("--q-lengths", action="store_true")
     p_exp.add_argument("--kv-lengths", action="store_true")
-    p_exp.add_argument("--mask", action="store_true", help="a dense [B,Hq,Tq,Tk] bool mask")
+    masks = p_exp.add_mutually_exclusive_group()
+    masks.add_argument("--mask", action="store_true", help="a dense [B,Hq,Tq,Tk] bool mask")
+    masks.add_argument("--key-mask", action="store_true",
+                       help="a key mask [B,1,1,Tk] (padding, a decode cache's filled part)")
     p_exp.add_argument("--bias", action="store_true", help="a dense [B,Hq,Tq,Tk] bias")
     p_exp.add_argument("--softcap", type=_softcap, default=None)
     p_exp.add_argument("--return-lse", action="store_true")

@@ -44,7 +44,10 @@ class AttentionCall:
 
     Shapes: q ``[batch, q_len, q_heads, head_dim]``, k ``[batch, kv_len,
     kv_heads, head_dim]``, v ``[batch, kv_len, kv_heads, v_head_dim]``.
-    ``mask_shape`` and ``bias_shape`` are ``[B|1, Hq|1, Tq, Tk]`` or None.
+    ``mask_shape`` and ``bias_shape`` are ``[B|1, Hq|1, Tq, Tk]`` or None; a
+    mask may also be a *key mask* ``[B|1, 1, 1, Tk]`` (:attr:`key_mask`), which
+    core hands a backend as the pairwise mask it knows or as segment ids
+    (:meth:`~attn_backends.Capabilities.served_call`).
     """
 
     batch: int
@@ -88,6 +91,11 @@ class AttentionCall:
         return 0 in (self.batch, self.q_len, self.kv_len)
 
     @property
+    def key_mask(self) -> bool:
+        """The mask is the same for every query row and head: ``[B|1, 1, 1, Tk]``."""
+        return self.mask_shape is not None and self.mask_shape[1:3] == (1, 1)
+
+    @property
     def features(self) -> frozenset[str]:
         """The subset of :data:`FEATURES` this call uses."""
         used = {
@@ -122,7 +130,8 @@ class Operands(NamedTuple):
 
     q_segment_ids ``[B, Tq]`` int, kv_segment_ids ``[B, Tk]`` int,
     q_lengths ``[B]`` int, kv_lengths ``[B]`` int, mask ``[B|1, Hq|1, Tq, Tk]``
-    bool, bias ``[B|1, Hq|1, Tq, Tk]`` float.
+    bool (or a key mask ``[B|1, 1, 1, Tk]``, never handed to a backend as
+    such), bias ``[B|1, Hq|1, Tq, Tk]`` float.
     """
 
     q_segment_ids: Any = None
@@ -208,20 +217,22 @@ def _check_int_array(
 
 
 def _check_pairwise(
-    name: str, x: Any, b: int, hq: int, hkv: int, tq: int, tk: int
+    name: str, x: Any, b: int, hq: int, hkv: int, tq: int, tk: int, *, key_mask: bool = False
 ) -> tuple[int, int, int, int]:
+    """The shape of a ``[B|1, Hq|1, Tq, Tk]`` array (``key_mask``: or ``[B|1, 1, 1, Tk]``)."""
     _require_array(name, x)
     shape = _shape(x)
     ok = (
         len(shape) == 4
         and shape[0] in (1, b)
         and shape[1] in (1, hq)
-        and shape[2:] == (tq, tk)
+        and (shape[2:] == (tq, tk) or (key_mask and shape[1:] == (1, 1, tk)))
     )
     if not ok:
+        also = f" or a key mask [{b}|1, 1, 1, {tk}]" if key_mask else ""
         raise ValueError(
-            f"{name}: expected shape [B|1, Hq|1, Tq, Tk] = [{b}|1, {hq}|1, {tq}, {tk}], "
-            f"got {list(shape)}" + _bhtd_suspect(shape[-2:], (hq, hkv))
+            f"{name}: expected shape [B|1, Hq|1, Tq, Tk] = [{b}|1, {hq}|1, {tq}, {tk}]"
+            f"{also}, got {list(shape)}" + _bhtd_suspect(shape[-2:], (hq, hkv))
         )
     return shape  # type: ignore[return-value]
 
@@ -332,7 +343,7 @@ def bind(
         _check_int_array("kv_lengths", kv_lengths, (b,))
     mask_shape = bias_shape = bias_dtype = None
     if mask is not None:
-        mask_shape = _check_pairwise("mask", mask, b, hq, hkv, tq, tk)
+        mask_shape = _check_pairwise("mask", mask, b, hq, hkv, tq, tk, key_mask=True)
         if _dtype_name(mask) != "bool":
             raise ValueError(
                 f"mask: expected dtype bool (True = visible), got {_dtype_name(mask)}; "

@@ -3,6 +3,7 @@ the tiny version parsing its jax ranges need (no dependency on `packaging`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 
@@ -124,6 +125,26 @@ class Capabilities:
         for feature in sorted(call.features - self.features):
             reasons.append(f"feature {feature!r} not supported")
         return reasons
+
+    def served_call(self, call: AttentionCall) -> AttentionCall:
+        """The call core hands a backend with this manifest for ``call``.
+
+        A key mask ``[B|1, 1, 1, Tk]`` (:attr:`AttentionCall.key_mask`) reaches a
+        backend claiming ``mask`` as the pairwise mask ``[B|1, 1, Tq, Tk]``, and
+        one claiming ``segment_ids`` but not ``mask`` as segment ids (no mask;
+        ``attn_backends.choose.dispatch.served_operands`` builds the ids, with the
+        same answer). Every other call, and a key mask for a manifest claiming
+        neither, is handed over as it is (and refused when unclaimed).
+        """
+        if not call.key_mask:
+            return call
+        assert call.mask_shape is not None
+        if self.mask:
+            return dataclasses.replace(
+                call, mask_shape=(call.mask_shape[0], 1, call.q_len, call.kv_len))
+        if self.segment_ids:
+            return dataclasses.replace(call, mask_shape=None, segment_ids=True)
+        return call
 
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly view (sets become sorted lists)."""

@@ -116,7 +116,7 @@ def explain_sharded(single: SingleDevice, call: AttentionCall, layout: Layout) -
         how = (
             "partitionable: XLA partitions it" if chosen.capabilities.partitionable
             else "not partitionable: run per device in shard_map over the batch/head axes, "
-            f"each device calling it with {local.describe()}"
+            f"each device calling it with {chosen.capabilities.served_call(local).describe()}"
         )
         plan += f"; {base.chosen} is {how}"
     return ShardedExplanation.of(base, plan)

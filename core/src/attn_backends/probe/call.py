@@ -12,9 +12,10 @@ The mapping keeps each shape class that can change a kernel's answer:
 - window sides up to ``WINDOW_CAP`` exactly, longer ones as ``WINDOW_CAP``
   (a window that still cuts the probe's rows);
 - dtype, head dims, scale, softcap, bias dtype, the mask and bias broadcast
-  pattern, every flag; batch at most 2, and exactly 2 when the call has
-  lengths (one row one short of full, so the diagonal and window still cut
-  it and an off-by-one length shows; the other from the upper half).
+  pattern (a key mask ``[B|1, 1, 1, Tk]`` stays one), every flag; batch at
+  most 2, and exactly 2 when the call has lengths (one row one short of
+  full, so the diagonal and window still cut it and an off-by-one length
+  shows; the other from the upper half).
 
 The backend's options (block sizes) are part of the verdict key too
 (:mod:`.prober`).
@@ -71,7 +72,8 @@ def canonical(call: AttentionCall, scale_up: int = 1) -> AttentionCall:
     q_heads = call.group * kv_heads
 
     def pairwise(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-        return (1 if shape[0] == 1 else batch, 1 if shape[1] == 1 else q_heads, tq, tk)
+        rows = 1 if call.key_mask and shape == call.mask_shape else tq  # a key mask stays one
+        return (1 if shape[0] == 1 else batch, 1 if shape[1] == 1 else q_heads, rows, tk)
 
     return dataclasses.replace(
         call,

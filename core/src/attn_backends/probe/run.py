@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..choose.dispatch import served_operands
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, Operands
 from . import call as _probe_call
@@ -28,10 +29,11 @@ ORDER = ("out", "lse", "dq", "dk", "dv", "dbias")
 
 
 def probe_call(backend: Backend, call: AttentionCall) -> AttentionCall | None:
-    """The canonical call for ``call``, scaled up until ``backend.check`` accepts it."""
+    """The canonical call for ``call``, scaled up until ``backend.check`` accepts it
+    (as core hands it over: ``Capabilities.served_call``)."""
     for scale_up in _probe_call.SCALE_UPS:
         small = _probe_call.canonical(call, scale_up)
-        if not backend.check(small):
+        if not backend.check(backend.capabilities.served_call(small)):
             return small
     return None
 
@@ -74,10 +76,15 @@ def _backend_results(
     cotangents = (jnp.asarray(data["d_out"]),) + (
         (jnp.asarray(data["d_lse"]),) if call.return_lse else ())
 
+    # The backend runs the call core would hand it (a key mask as segment ids, or
+    # broadcast), with the operands core would build; the oracle judges ``call``.
+    served = backend.capabilities.served_call(call)
+
     def attend(options: Any, ops: Operands, xs: tuple[Any, ...]) -> Any:
         named = dict(zip(names, xs, strict=True))
         operands = ops._replace(bias=named["bias"]) if "bias" in named else ops
-        return backend.attend(call, named["q"], named["k"], named["v"], operands, options)
+        operands = served_operands(call, served, operands)
+        return backend.attend(served, named["q"], named["k"], named["v"], operands, options)
 
     def outputs(result: Any, suffix: str = "") -> dict[str, Any]:
         if call.return_lse:
@@ -134,7 +141,7 @@ def run_probe(
     with np.errstate(invalid="ignore", divide="ignore"):
         want, scale = _oracle_results(small, data, grads)
     runs = [("", options)]
-    tiled = backend.tile_small_options(small)
+    tiled = backend.tile_small_options(caps.served_call(small))
     if tiled is not None:
         runs.append((" under its small-tile options", tiled))
     reasons = []

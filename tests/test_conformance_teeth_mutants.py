@@ -98,6 +98,21 @@ MUTANTS = {
           "dot_nn(p.astype(jnp.bfloat16).astype(v_tile.dtype), v_tile)")],
         False, ["--attn-only=shapes,gqa", "-k", "test_forward and float32"], "float32",
     ),
+    # Dropout (the suite's dropout family judges under the exposed keep-mask).
+    "dropout_key_ignored": (
+        [("_kernel", "seed = dropout_seed(operands.dropout_key)",
+          "seed = dropout_seed(jax.random.PRNGKey(0))")],
+        False, ["--attn-only=dropout", "-k", "test_dropout_matches_oracle"], "dropout-",
+    ),
+    "dropout_not_rescaled": (
+        [("_forward", "return jnp.where(keep, p * inv, 0.0)", "return jnp.where(keep, p, 0.0)")],
+        False, ["--attn-only=dropout", "-k", "test_dropout_matches_oracle"], "dropout-",
+    ),
+    "dropout_backward_draws_another_mask": (
+        # The backward passes the tile's block indices the wrong way round.
+        [("_backward", "tile_keep(plan, seed, qi, kj)", "tile_keep(plan, seed, kj, qi)")],
+        False, ["--attn-only=dropout", "-k", "test_dropout_matches_oracle"], "dropout-",
+    ),
 }
 
 

@@ -113,8 +113,9 @@ def inputs(call: AttentionCall, seed: int = 0) -> dict[str, Any]:
 
     q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]``, d_out
     like the output, d_lse ``[B, Hq, Tq]`` (None unless the call returns
-    lse); a dropout call's operands hold a raw ``uint32[2]`` ``dropout_key``. Floating arrays are already rounded to the call's dtype, so the
-    float64 oracle sees exactly what the backend sees. Rows see several keys
+    lse); a dropout call's operands hold a raw ``uint32[2]`` ``dropout_key``.
+    Floating arrays are already rounded to the call's dtype, so the float64
+    oracle sees exactly what the backend sees. Rows see several keys
     wherever the call's shape allows: lengths are long (:func:`_lengths_of_rows`),
     segments are long, masks keep most keys.
     """

@@ -42,8 +42,18 @@ What flax passes, and what becomes of it:
   precision (softmax is float32 in every backend), as flax's own
   ``jax.nn.dot_product_attention`` path ignores it too.
   ``force_fp32_for_softmax`` (linen) is always true here.
-- Refused, with an error saying why and what to do: attention dropout
-  (``dropout_rate > 0`` and not ``deterministic``), ``sow_weights=True``
+- Attention dropout (``dropout_rate > 0`` and not ``deterministic``) is the
+  contract's: ``dropout_rate`` and flax's ``dropout_rng`` (typed or raw key)
+  go to the backend, which drops each weight of the softmax with that
+  probability and scales the rest by ``1 / (1 - rate)``, as flax does; a
+  backend that does not claim dropout is never selected for such a call.
+  The same rng gives the same result, ``deterministic=True`` none. One
+  difference: the keep-mask is drawn independently for every batch row and
+  head (as PyTorch SDPA and FlashAttention do), whatever
+  ``broadcast_dropout`` says; flax's default (``broadcast_dropout=True``)
+  shares one ``[Tq, Tk]`` mask across them. The same in expectation; not the
+  same draw as flax's for a given rng.
+- Refused, with an error saying why and what to do: ``sow_weights=True``
   (``module``), and linen's quantized ``qk_attn_weights_einsum`` /
   ``attn_weights_value_einsum``.
 
@@ -64,18 +74,6 @@ import jax.numpy as jnp
 from .choose.attention import Attention
 
 __all__ = ["FlaxAttention", "attention_fn"]
-
-_DROPOUT_REFUSED = (
-    "attn_backends.flax: attention dropout (dropout_rate={rate}, deterministic=False) is "
-    "not supported. Attention dropout zeroes softmax probabilities inside the kernel, and "
-    "the kernel here is whichever backend the registry picks per call: the contract has no "
-    "dropout hook, and the dropped probabilities cannot be applied outside the kernel "
-    "(they depend on query and key together, and are never materialised). Set "
-    "dropout_rate=0 on the attention module (dropout elsewhere in the model still works), "
-    "call it with deterministic=True (evaluation), or keep flax's own dot_product_attention "
-    "for a module that needs attention dropout."
-)
-
 
 class FlaxAttention:
     """flax's ``attention_fn`` signature over a registry ``Attention``; see the module doc.
@@ -114,13 +112,16 @@ class FlaxAttention:
         """query ``[batch..., Tq, Hq, D]``, key ``[batch..., Tk, Hkv, D]``, value
         ``[batch..., Tk, Hkv, Dv]`` -> ``[batch..., Tq, Hq, Dv]``.
 
-        ``broadcast_dropout`` and ``dropout_rng`` matter only for the dropout
-        this adapter refuses; ``precision`` and ``force_fp32_for_softmax``
-        are accepted and left to the backend (module doc).
+        ``dropout_rate`` with ``dropout_rng`` is the contract's dropout unless
+        ``deterministic`` (each batch row and head draws its own mask, whatever
+        ``broadcast_dropout`` says); ``precision`` and
+        ``force_fp32_for_softmax`` are accepted and left to the backend
+        (module doc).
         """
-        _refuse_unsupported(
-            dropout_rate, deterministic, module, qk_attn_weights_einsum, attn_weights_value_einsum
-        )
+        _refuse_unsupported(module, qk_attn_weights_einsum, attn_weights_value_einsum)
+        dropout: dict[str, Any] = {}
+        if dropout_rate > 0.0 and not deterministic:
+            dropout = {"dropout_rate": float(dropout_rate), "dropout_key": dropout_rng}
         if promote_dtype is not None:
             query, key, value = promote_dtype((query, key, value), dtype=dtype)
         else:
@@ -147,7 +148,8 @@ class FlaxAttention:
                 window = (None, tq - tk)
             else:
                 causal = True
-        out = self.attention(q, k, v, causal=causal, window=window, mask=mask, bias=bias)
+        out = self.attention(q, k, v, causal=causal, window=window, mask=mask, bias=bias,
+                             **dropout)
         return out.reshape((*batch, tq, hq, out.shape[-1]))
 
 
@@ -175,15 +177,7 @@ def attention_fn(attention: Attention | None = None, **get_kwargs: Any) -> FlaxA
     return FlaxAttention(attention)
 
 
-def _refuse_unsupported(
-    dropout_rate: float,
-    deterministic: bool,
-    module: Any,
-    qk_einsum: Any,
-    value_einsum: Any,
-) -> None:
-    if dropout_rate > 0.0 and not deterministic:
-        raise NotImplementedError(_DROPOUT_REFUSED.format(rate=dropout_rate))
+def _refuse_unsupported(module: Any, qk_einsum: Any, value_einsum: Any) -> None:
     if module is not None:
         raise NotImplementedError(
             "attn_backends.flax: sow_weights=True asks for the attention weights, which a "

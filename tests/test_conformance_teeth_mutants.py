@@ -83,9 +83,9 @@ MUTANTS = {
         True, ["--attn-only=gqa", "-k", "test_gradients"], "gqa-",
     ),
     "rescale_dropped_in_forward": (
-        [("_forward", "row_sum = alpha * row_sum + p.sum(axis=-1)\n"
-                      "    acc = acc * alpha[..., None] + dot_nn(",
-          "row_sum = row_sum + p.sum(axis=-1)\n    acc = acc + dot_nn(")],
+        [("_forward", "row_sum = alpha * row_sum + p.sum(axis=-1)",
+          "row_sum = row_sum + p.sum(axis=-1)"),
+         ("_forward", "acc = acc * alpha[..., None] + dot_nn(", "acc = acc + dot_nn(")],
         False, ["--attn-only=shapes,causal", "-k", "test_forward and tiles"], "-tiles",
     ),
     "dq_overwritten_across_key_blocks": (

@@ -83,9 +83,9 @@ MUTANTS = {
         True, ["--attn-only=gqa", "-k", "test_gradients"], "gqa-",
     ),
     "rescale_dropped_in_forward": (
-        [("_forward", "row_sum = alpha * row_sum + p.sum(axis=-1)\n"
-                      "    acc = acc * alpha[..., None] + dot_nn(",
-          "row_sum = row_sum + p.sum(axis=-1)\n    acc = acc + dot_nn(")],
+        [("_forward", "row_sum = alpha * row_sum + p.sum(axis=-1)",
+          "row_sum = row_sum + p.sum(axis=-1)"),
+         ("_forward", "acc = acc * alpha[..., None] + dot_nn(", "acc = acc + dot_nn(")],
         False, ["--attn-only=shapes,causal", "-k", "test_forward and tiles"], "-tiles",
     ),
     "dq_overwritten_across_key_blocks": (
@@ -97,6 +97,21 @@ MUTANTS = {
         [("_forward", "dot_nn(p.astype(v_tile.dtype), v_tile)",
           "dot_nn(p.astype(jnp.bfloat16).astype(v_tile.dtype), v_tile)")],
         False, ["--attn-only=shapes,gqa", "-k", "test_forward and float32"], "float32",
+    ),
+    # Dropout (the suite's dropout family judges under the exposed keep-mask).
+    "dropout_key_ignored": (
+        [("_kernel", "seed = dropout_seed(operands.dropout_key)",
+          "seed = dropout_seed(jax.random.PRNGKey(0))")],
+        False, ["--attn-only=dropout", "-k", "test_dropout_matches_oracle"], "dropout-",
+    ),
+    "dropout_not_rescaled": (
+        [("_forward", "return jnp.where(keep, p * inv, 0.0)", "return jnp.where(keep, p, 0.0)")],
+        False, ["--attn-only=dropout", "-k", "test_dropout_matches_oracle"], "dropout-",
+    ),
+    "dropout_backward_draws_another_mask": (
+        # The backward passes the tile's block indices the wrong way round.
+        [("_backward", "tile_keep(plan, seed, qi, kj)", "tile_keep(plan, seed, kj, qi)")],
+        False, ["--attn-only=dropout", "-k", "test_dropout_matches_oracle"], "dropout-",
     ),
 }
 

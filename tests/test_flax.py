@@ -122,18 +122,44 @@ def test_dtype_promotes_like_flax() -> None:
     close(got.astype(jnp.float32), want.astype(jnp.float32), atol=2e-2, rtol=2e-2)
 
 
-def test_linen_dropout_and_sow_weights_are_refused_with_the_reason() -> None:
-    inputs = x(20, 1, 4, F)
+@pytest.mark.parametrize(
+    "backend", [b for b in ("reference", "xla_native") if b in REGISTRY.backends]
+)
+def test_linen_dropout_follows_the_rng(backend: str) -> None:
+    """As flax's test_multihead_self_attention_w_dropout: the same dropout rng gives the
+    same output, another rng another; deterministic=True is flax's attention, no dropout."""
+    inputs = x(20, 2, 12, F)
     mine = nn.MultiHeadDotProductAttention(
-        num_heads=HEADS, qkv_features=F, dropout_rate=0.1, attention_fn=ours("reference")
+        num_heads=HEADS, qkv_features=F, dropout_rate=0.5, attention_fn=ours(backend)
     )
-    params = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=F).init(
-        jax.random.key(0), inputs
-    )
-    rngs = {"dropout": jax.random.key(1)}
-    with pytest.raises(NotImplementedError, match=r"dropout_rate=0.1.*inside the kernel"):
-        mine.apply(params, inputs, deterministic=False, rngs=rngs)
-    assert mine.apply(params, inputs, deterministic=True).shape == inputs.shape
+    theirs = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=F, dropout_rate=0.5)
+    params = theirs.init(jax.random.key(0), inputs, deterministic=True)
+    run = jax.jit(lambda rng: mine.apply(params, inputs, deterministic=False,
+                                         rngs={"dropout": rng}))
+    # Linen's rngs may be raw uint32[2] keys or typed ones: both are served.
+    a, b, c = run(jax.random.PRNGKey(1)), run(jax.random.PRNGKey(1)), run(jax.random.PRNGKey(2))
+    assert np.array_equal(a, b)
+    assert not np.allclose(a, c, atol=1e-3)
+    plain = mine.apply(params, inputs, deterministic=True)
+    close(plain, theirs.apply(params, inputs, deterministic=True), atol=2e-6)
+    assert not np.allclose(a, plain, atol=1e-3)
+    assert np.array_equal(run(jax.random.key(1)), run(jax.random.key(1)))
+
+
+def test_dropout_equals_the_oracle_under_the_backends_mask() -> None:
+    """Batch dims are flattened into the contract's B: the adapter's dropout is the
+    float64 oracle's under the keep-mask the backend exposes for the flat call."""
+    from attn_backends import oracle
+
+    q, k, v = x(22, 2, 3, 10, 4, 8), x(23, 2, 3, 10, 4, 8), x(24, 2, 3, 10, 4, 8)
+    rng = jax.random.key(5)
+    got = jax.jit(lambda q, k, v: ours()(q, k, v, dropout_rate=0.3, dropout_rng=rng,
+                                         deterministic=False))(q, k, v)
+    flat = [np.asarray(a).reshape(6, 10, 4, 8) for a in (q, k, v)]
+    call, _ = ab.bind(*flat, dropout_rate=0.3, dropout_key=rng)
+    keep = np.asarray(REGISTRY.backend(PRIMARY).dropout_keep(call, rng))
+    want, _ = oracle.attention(*flat, dropout_rate=0.3, dropout_keep=keep)
+    close(np.asarray(got).reshape(6, 10, 4, 8), want, atol=2e-6)
 
 
 def test_linen_sow_weights_are_flaxs_and_the_output_is_their_product() -> None:
@@ -218,6 +244,19 @@ def test_the_dense_path_follows_the_attentions_fallback_policy() -> None:
             else:
                 with pytest.raises(expect, match=r"fallback='error'.*drop sow_weights"):
                     _Attend(fn).apply({}, q, q, q, None, None, mutable=["intermediates"])
+
+
+def test_sown_weights_with_dropout_are_refused_with_the_reason() -> None:
+    q = x(31, 1, 4, 2, 8)
+
+    class _AttendDropping(nn.Module):
+        @nn.compact
+        def __call__(self, q):
+            return ours()(q, q, q, module=self, dropout_rate=0.1, deterministic=False,
+                          dropout_rng=jax.random.key(0))
+
+    with pytest.raises(NotImplementedError, match=r"sow_weights=True with attention dropout"):
+        _AttendDropping().apply({}, q, mutable=["intermediates"])
 
 
 def test_served_and_explain_name_the_backend_of_each_linen_signature() -> None:

@@ -2,7 +2,7 @@
 
 Forward, gradients w.r.t. parameters and inputs, KV-cache decoding step by
 step, GQA (``num_kv_heads``), ``is_causal`` both ways round, float masks and
-the dropout refusal. Runs on both jax lines (``make test`` runs it in each):
+attention dropout. Runs on both jax lines (``make test`` runs it in each):
 flax 0.12.8 on jax 0.10, flax 0.12.12 on jax 0.12 (0.12.8's nnx does not
 import on jax 0.12: it subclasses ``jax.experimental.hijax.HiPrimitive``,
 renamed ``HiPrim`` there).
@@ -105,13 +105,21 @@ def test_nnx_kv_cache_decoding_matches_flax_step_by_step() -> None:
 
 
 
-def test_dropout_is_refused_with_the_reason_and_deterministic_runs() -> None:
+@pytest.mark.parametrize("backend", [b for b in ("reference", "xla_native") if b in BACKENDS])
+def test_dropout_follows_the_rng_and_deterministic_drops_nothing(backend: str) -> None:
+    """As flax's test_multihead_self_attention_w_dropout (and ..._explicit_dropout):
+    the same rng gives the same output, another rng another; deterministic=True
+    is flax's own attention without dropout."""
     m = _module()
-    m.dropout_rate, m.attention_fn = 0.1, ours("reference")
-    inputs = x(15, 2, 6, F)
-    with pytest.raises(NotImplementedError, match=r"dropout_rate=0.1.*inside the kernel"):
-        m(inputs, deterministic=False, rngs=nnx.Rngs(dropout=1))
+    m.dropout_rate, m.attention_fn = 0.5, ours(backend)
+    inputs = x(15, 2, 12, F)
+    a = m(inputs, deterministic=False, rngs=nnx.Rngs(dropout=1))
+    b = m(inputs, deterministic=False, rngs=nnx.Rngs(dropout=1))
+    c = m(inputs, deterministic=False, rngs=nnx.Rngs(dropout=2))
+    assert jnp.array_equal(a, b)
+    assert not jnp.allclose(a, c, atol=1e-3)
     got = m(inputs, deterministic=True)
+    assert not jnp.allclose(a, got, atol=1e-3)
     m.attention_fn = nnx.dot_product_attention
     close(got, m(inputs, deterministic=True), atol=2e-6)
 

@@ -29,6 +29,7 @@ class Case:
     ``lse``: request ``return_lse`` when the backend claims it (the
     ``return_lse`` feature itself is ``return_lse``). ``tiles``: run under the
     backend's ``tile_small_options(call)`` instead of its default options.
+    ``dropout_rate``: attention dropout (> 0: the call gets a ``dropout_key``).
     """
 
     name: str
@@ -56,6 +57,7 @@ class Case:
     inputs: str = "normal"
     quick: bool = False
     tiles: bool = False
+    dropout_rate: float = 0.0
 
     @property
     def id(self) -> str:
@@ -75,5 +77,6 @@ class Case:
             "bias": self.bias is not None,
             "softcap": self.softcap is not None,
             "return_lse": self.return_lse,
+            "dropout": self.dropout_rate > 0,
         }
         return frozenset(f for f, on in used.items() if on)

@@ -89,6 +89,10 @@ def make_inputs(case: Case) -> dict[str, Any]:
     if case.bias is not None:
         bias = rng.standard_normal(_pair_shape(case.bias, b, hq, tq, tk))
         kwargs["bias"] = _cast(bias, case.bias_dtype or case.dtype)[0]
+    if case.dropout_rate:
+        # A raw key (jax.random.PRNGKey's layout), from the case's name.
+        kwargs["dropout_rate"] = case.dropout_rate
+        kwargs["dropout_key"] = np.array([0, zlib.crc32(case.name.encode())], np.uint32)
     (q, q64), (k, k64), (v, v64) = (_cast(x, case.dtype) for x in (q, k, v))
     d_out, d_out64 = _cast(rng.standard_normal((b, tq, hq, dv)), case.dtype)
     d_lse = (0.5 * rng.standard_normal((b, hq, tq))).astype(np.float32)

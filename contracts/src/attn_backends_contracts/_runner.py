@@ -18,7 +18,7 @@ from ._oracle import attention_vjp as oracle_vjp
 from .tolerances import GRADIENT_FINITE_ONLY_INPUTS, Mismatch, compare, normalised_error, tolerance
 
 #: Keyword arguments of ``attention(...)`` that are static (part of the program).
-STATIC = ("scale", "causal", "window", "softcap")
+STATIC = ("scale", "causal", "window", "softcap", "dropout_rate")
 #: Executables by lowered program text: identical programs (the same backend
 #: code reached by several suite runs in one process, e.g. the repo's tests of
 #: broken variants) compile once. Debug locations are not part of the key.

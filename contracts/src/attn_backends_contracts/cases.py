@@ -174,6 +174,17 @@ RAGGED = (
     _c("ragged", "segments-b3", batch=3, q_len=13, kv_len=13, segments="packed"),
 )
 
+# Attention dropout (a family of its own, suite/test_dropout.py: the oracle
+# needs the backend's keep-mask): several tiles of any small-tile options both
+# ways, causal or not, Tq != Tk, GQA, lse (of the undropped logits), and a few
+# query rows (a decode path must not serve dropout wrongly).
+DROPOUT = (
+    _c("dropout", "q77k77-gqa-lse", batch=2, q_len=77, kv_len=77, q_heads=4, kv_heads=2,
+       return_lse=True, dropout_rate=0.2),
+    _c("dropout", "causal-q45k77", q_len=45, kv_len=77, causal=True, dropout_rate=0.5),
+    _c("dropout", "q4k37-b2", batch=2, q_len=4, kv_len=37, dropout_rate=0.1),
+)
+
 #: Every table by family name, in report order.
 TABLES: dict[str, tuple[Case, ...]] = {
     t[0].family: t
@@ -307,7 +318,21 @@ FEATURE_CALLS: dict[str, dict[str, Any]] = {
     "bias": {"bias": "full"},
     "softcap": {"softcap": 5.0},
     "return_lse": {"return_lse": True},
+    "dropout": {"dropout_rate": 0.1},
 }
+
+
+def dropout_cases(capabilities: Any) -> list[Case]:
+    """The ``dropout`` family for a manifest claiming dropout (else none), in the
+    primary dtype and base head dim; ``return_lse`` only where claimed."""
+    caps = capabilities
+    if not caps.dropout:
+        return []
+    primary = "float32" if "float32" in caps.dtypes else sorted(caps.dtypes)[0]
+    base = base_head_dim(caps.head_dims)
+    out = [replace(c, dtype=primary, head_dim=base, v_head_dim=base,
+                   return_lse=c.return_lse and caps.return_lse) for c in DROPOUT]
+    return [c for c in out if c.features <= caps.features]
 
 
 def single_case(capabilities: Any, family: str, name: str, feature: str | None = None,

@@ -19,8 +19,10 @@ from typing import Any
 
 import pytest
 
+from ._case import Case
+
 #: Fixture names the suite parametrizes; a test without them is left alone.
-_PARAMETERS = ("attn_case", "attn_unclaimed", "attn_dtype", "attn_masking")
+_PARAMETERS = ("attn_case", "attn_unclaimed", "attn_dtype", "attn_masking", "attn_dropout")
 #: The one line a run of the suite with no backend named stops with.
 NO_BACKEND = (
     "attn-backends conformance suite: no backend named; pass --attn-backend=NAME "
@@ -81,6 +83,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     elif name == "attn_unclaimed":
         values = suite.unclaimed()
         metafunc.parametrize(name, values, ids=[f"{k}-{v}" for k, v in values])
+    elif name == "attn_dropout":
+        from .cases import dropout_cases
+
+        chosen = dropout_cases(suite.caps)
+        metafunc.parametrize(name, chosen, ids=[c.id for c in chosen])
     elif name == "attn_dtype":
         dtypes = sorted(suite.caps.dtypes)
         metafunc.parametrize(name, dtypes, ids=dtypes)
@@ -130,7 +137,9 @@ class _Recorder:
             fn = getattr(item, "function", None)
             fam = getattr(fn, "_attn_family", None)
             params = getattr(getattr(item, "callspec", None), "params", {})
-            case = params.get("attn_case")
+            # A parameter set left empty (no dropout claimed) holds pytest's NOTSET.
+            case = next((p for p in (params.get("attn_case"), params.get("attn_dropout"))
+                         if isinstance(p, Case)), None)
             if case is None and fam is None:
                 kept.append(item)
                 continue

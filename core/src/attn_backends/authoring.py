@@ -14,6 +14,10 @@ subclass with a :class:`attn_backends.Capabilities` manifest either way.
 - :class:`InterpretSwitch`: the on/off switch (an environment variable and a
   context manager) for a kernel that can run emulated on cpu, and the manifest
   that serves cpu only while it is on.
+- :func:`dropout_seed`, :func:`dropout_keep_at` and :func:`dropout_keep`: one
+  counter-based rule for attention dropout's keep-mask, so a tiled kernel
+  draws each tile's bits from the key and the tile's positions (forward and
+  backward alike, whatever their blocks) and a dense backend the whole mask.
 
 Core already refuses, before ``attend`` runs, every call its manifest does not
 claim (dtype, head dims, features): nothing here re-checks the manifest.
@@ -37,6 +41,9 @@ __all__ = [
     "InterpretSwitch",
     "SwitchedManifest",
     "distribution_version",
+    "dropout_keep",
+    "dropout_keep_at",
+    "dropout_seed",
     "manifest",
     "refuse",
     "resolve_options",
@@ -114,6 +121,53 @@ def refuse(backend: str, call: AttentionCall, reasons: Sequence[str]) -> None:
         raise UnsupportedError(
             f"{backend} cannot serve {call.describe()}: " + "; ".join(dict.fromkeys(reasons))
         )
+
+
+def dropout_seed(key: Any) -> Any:
+    """The two uint32 words the keep-mask is drawn from, derived from a call's
+    ``dropout_key`` (a typed key of any implementation or a raw ``uint32[2]``
+    key): ``uint32[2]``. Derive once per call, outside any tile loop."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def dropout_keep_at(seed: Any, b: Any, h: Any, i: Any, j: Any, *, rate: float, q_heads: int,
+                    q_len: int) -> Any:
+    """Whether the weight of key ``j`` for query ``i`` of head ``h`` in batch row ``b``
+    is kept: bool, the broadcast shape of the integer index arrays.
+
+    Counter-based, so it depends on the positions alone, never on how a kernel
+    cuts them into tiles: Threefry-2x32 of ``seed`` (:func:`dropout_seed`) on the
+    counter pair ``((b * Hq + h) * Tq + i, j)`` (uint32, wrapping past 2**32
+    rows), kept when its first word is below ``(1 - rate) * 2**32``. ``b`` and
+    ``i`` are positions in the whole call (not in a tile); ``h`` a query head;
+    ``rate``, ``q_heads`` and ``q_len`` the call's ``dropout_rate``, Hq and Tq.
+    """
+    import jax.numpy as jnp
+    from jax.extend.random import threefry_2x32
+
+    u32 = jnp.uint32
+    row = (jnp.asarray(b).astype(u32) * u32(q_heads) + jnp.asarray(h).astype(u32))
+    row = row * u32(q_len) + jnp.asarray(i).astype(u32)
+    row, col = jnp.broadcast_arrays(row, jnp.asarray(j).astype(u32))
+    bits = threefry_2x32((seed[0], seed[1]), jnp.stack([row, col]))[0]
+    threshold = min(round((1.0 - rate) * 2.0**32), 2**32 - 1)
+    return bits < u32(threshold)
+
+
+def dropout_keep(call: AttentionCall, key: Any) -> Any:
+    """The whole keep-mask of a dropout ``call``: bool ``[B, Hq, Tq, Tk]``, by
+    :func:`dropout_keep_at` (for dense backends and ``Backend.dropout_keep``)."""
+    import jax.numpy as jnp
+
+    b, h, i, j = (jnp.arange(n, dtype=jnp.int32).reshape([-1 if a == n_axis else 1
+                                                           for a in range(4)])
+                  for n_axis, n in enumerate((call.batch, call.q_heads, call.q_len,
+                                              call.kv_len)))
+    return dropout_keep_at(dropout_seed(key), b, h, i, j, rate=call.dropout_rate,
+                           q_heads=call.q_heads, q_len=call.q_len)
 
 
 @dataclasses.dataclass(frozen=True)

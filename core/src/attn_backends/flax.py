@@ -58,8 +58,19 @@ What flax passes, and what becomes of it:
   ``force_fp32_for_softmax``). One ``FallbackWarning`` per call signature says
   so, following the attention's ``fallback`` (``"silent"``: none; ``"error"``:
   ``UnsupportedError`` instead).
-- Refused, with an error saying why and what to do: attention dropout
-  (``dropout_rate > 0`` and not ``deterministic``), and linen's quantized
+- Attention dropout (``dropout_rate > 0`` and not ``deterministic``) is the
+  contract's: ``dropout_rate`` and flax's ``dropout_rng`` (typed or raw key)
+  go to the backend, which drops each weight of the softmax with that
+  probability and scales the rest by ``1 / (1 - rate)``, as flax does; a
+  backend that does not claim dropout is never selected for such a call.
+  The same rng gives the same result, ``deterministic=True`` none; with
+  ``sow_weights`` as well it is refused (the dense path draws no keep-mask). One
+  difference: the keep-mask is drawn independently for every batch row and
+  head (as PyTorch SDPA and FlashAttention do), whatever
+  ``broadcast_dropout`` says; flax's default (``broadcast_dropout=True``)
+  shares one ``[Tq, Tk]`` mask across them. The same in expectation; not the
+  same draw as flax's for a given rng.
+- Refused, with an error saying why and what to do: linen's quantized
   ``qk_attn_weights_einsum`` / ``attn_weights_value_einsum``.
 
 Which backend served each call: ``fn.served`` maps every call signature the
@@ -96,17 +107,12 @@ __all__ = [
 #: The name ``served`` and ``explain()`` give the adapter's own path for ``sow_weights``.
 DENSE_PATH = "attn_backends.flax dense path (sow_weights)"
 
-_DROPOUT_REFUSED = (
-    "attn_backends.flax: attention dropout (dropout_rate={rate}, deterministic=False) is "
-    "not supported. Attention dropout zeroes softmax probabilities inside the kernel, and "
-    "the kernel here is whichever backend the registry picks per call: the contract has no "
-    "dropout hook, and the dropped probabilities cannot be applied outside the kernel "
-    "(they depend on query and key together, and are never materialised). Set "
-    "dropout_rate=0 on the attention module (dropout elsewhere in the model still works), "
-    "call it with deterministic=True (evaluation), or keep flax's own dot_product_attention "
-    "for a module that needs attention dropout."
+_SOWN_DROPOUT_REFUSED = (
+    "attn_backends.flax: sow_weights=True with attention dropout (dropout_rate={rate}, "
+    "deterministic=False) is not supported: the weights are computed by the adapter's dense "
+    "path, which draws no dropout keep-mask. Sow the weights with deterministic=True, or "
+    "train without sow_weights."
 )
-
 
 @dataclass(frozen=True)
 class FlaxSignature:
@@ -228,14 +234,18 @@ class FlaxAttention:
         """query ``[batch..., Tq, Hq, D]``, key ``[batch..., Tk, Hkv, D]``, value
         ``[batch..., Tk, Hkv, Dv]`` -> ``[batch..., Tq, Hq, Dv]``.
 
-        ``broadcast_dropout`` and ``dropout_rng`` matter only for the dropout
-        this adapter refuses; ``precision`` is accepted and left to the
+        ``dropout_rate`` with ``dropout_rng`` is the contract's dropout unless
+        ``deterministic`` (each batch row and head draws its own mask, whatever
+        ``broadcast_dropout`` says); ``precision`` is accepted and left to the
         backend, ``force_fp32_for_softmax`` is always true here (module doc).
         ``module`` sows the weights ``[batch..., Hq, Tq, Tk]`` (module doc).
         """
-        _refuse_unsupported(
-            dropout_rate, deterministic, qk_attn_weights_einsum, attn_weights_value_einsum
-        )
+        _refuse_unsupported(qk_attn_weights_einsum, attn_weights_value_einsum)
+        dropout: dict[str, Any] = {}
+        if dropout_rate > 0.0 and not deterministic:
+            if module is not None:
+                raise NotImplementedError(_SOWN_DROPOUT_REFUSED.format(rate=dropout_rate))
+            dropout = {"dropout_rate": float(dropout_rate), "dropout_key": dropout_rng}
         if promote_dtype is not None:
             query, key, value = promote_dtype((query, key, value), dtype=dtype)
         else:
@@ -269,7 +279,8 @@ class FlaxAttention:
                 window = (None, tq - tk)
             else:
                 causal = True
-        kwargs = {"causal": causal, "window": window, "mask": mask, "bias": bias}
+        kwargs = {"causal": causal, "window": window, "mask": mask, "bias": bias,
+                  **dropout}
         if module is None:
             out = self.attention(q, k, v, **kwargs)
             self._record(signature, q, k, v, kwargs, batch)
@@ -347,14 +358,7 @@ def attention_fn(attention: Attention | None = None, **get_kwargs: Any) -> FlaxA
     return FlaxAttention(attention)
 
 
-def _refuse_unsupported(
-    dropout_rate: float,
-    deterministic: bool,
-    qk_einsum: Any,
-    value_einsum: Any,
-) -> None:
-    if dropout_rate > 0.0 and not deterministic:
-        raise NotImplementedError(_DROPOUT_REFUSED.format(rate=dropout_rate))
+def _refuse_unsupported(qk_einsum: Any, value_einsum: Any) -> None:
     if qk_einsum is not None or value_einsum is not None:
         raise NotImplementedError(
             "attn_backends.flax: qk_attn_weights_einsum / attn_weights_value_einsum (quantized "

@@ -72,8 +72,13 @@ def random_case(seed: int) -> dict[str, Any]:
     q = rng.normal(size=(b, tq, hq, d))
     k = rng.normal(size=(b, tk, hkv, d))
     v = rng.normal(size=(b, tk, hkv, dv))
-    return {"dtype": dtype, "q": q, "k": k, "v": v, "kw": kw, "return_lse": on(),
+    case = {"dtype": dtype, "q": q, "k": k, "v": v, "kw": kw, "return_lse": on(),
             "d_out": rng.normal(size=(b, tq, hq, dv)), "d_lse": rng.normal(size=(b, hq, tq))}
+    # Drawn last, so the other features' draws are those of the cases before dropout.
+    if rng.random() < 0.2:
+        kw["dropout_rate"] = float(rng.choice([0.1, 0.5]))
+        kw["dropout_key"] = np.array([0, seed], np.uint32)
+    return case
 
 
 def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -145,6 +150,9 @@ def test_reference_matches_oracle(seed):
         (out, lse), (dq, dk, dv, dbias) = jax.jit(f)(q, k, v, ops.bias, d_out, d_lse)
 
     okw = {**kw, "bias": kw.get("bias")}
+    if "dropout_key" in okw:
+        # Judged under the keep-mask the backend exposes for this call.
+        okw["dropout_keep"] = np.asarray(backend.dropout_keep(call, okw.pop("dropout_key")))
     args = [_rounded(case[n], dtype) for n in "qkv"]
     want_out, want_lse = _oracle.attention(*args, **okw)
     want = _oracle.attention_vjp(*args, _rounded(case["d_out"], dtype),

@@ -172,6 +172,19 @@ def test_memory_is_linear_in_sequence_length() -> None:
     assert ours < 2.5 * half  # linear, not quadratic, growth
 
 
+def test_dropout_never_materialises_the_mask() -> None:
+    """Compile only: with dropout, forward+backward still hold no S x S array (no
+    mask nor probabilities of the whole sequence): each tile draws its own bits."""
+    s, key = 16384, jax.random.key(0)
+    dropped = _temp_bytes(
+        lambda q, k, v: _attend(q, k, v, causal=True, dropout_rate=0.1, dropout_key=key), s)
+    plain = _temp_bytes(lambda q, k, v: _attend(q, k, v, causal=True), s)
+    # A bool S x S mask alone is s * s bytes (256 MiB); the tiles' bits add a
+    # constant (about 3 MiB at the cpu blocks) to the linear program.
+    assert dropped < s * s / 16
+    assert dropped < 2 * plain
+
+
 def test_forward_and_backward_at_64k_fit_in_one_gib() -> None:
     """Issue 4's memory target, compile only: B=1, H=8, D=64, float32,
     causal, S=65536 (the dense path would need about 384 GiB)."""

@@ -131,7 +131,8 @@ class Attention:
 
     ``attention(q, k, v, *, scale=None, causal=False, window=None,
     segment_ids=None, q_lengths=None, kv_lengths=None, mask=None, bias=None,
-    softcap=None, return_lse=False)`` with q ``[B, Tq, Hq, D]``, k
+    softcap=None, return_lse=False, dropout_rate=0.0, dropout_key=None)`` with q
+    ``[B, Tq, Hq, D]``, k
     ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` returns out ``[B, Tq, Hq, Dv]``
     (and lse ``[B, Hq, Tq]`` float32 with ``return_lse=True``). With
     ``layout="BHTD"`` q, k, v and out are ``[B, H, T, D]`` instead, transposed
@@ -301,11 +302,14 @@ class Attention:
         bias: Any = None,
         softcap: float | None = None,
         return_lse: bool = False,
+        dropout_rate: float = 0.0,
+        dropout_key: Any = None,
     ) -> Any:
         kwargs = dict(
             scale=scale, causal=causal, window=window, segment_ids=segment_ids,
             q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, bias=bias,
-            softcap=softcap, return_lse=return_lse,
+            softcap=softcap, return_lse=return_lse, dropout_rate=dropout_rate,
+            dropout_key=dropout_key,
         )
         if self.layout == "BTNH":
             return self._attend(q, k, v, **kwargs)
@@ -329,6 +333,14 @@ class Attention:
         ):
             raise PlatformUnavailableError(unavailable_message([p for p, _ in self.platforms]))
         if self._goes_parallel(q):
+            if "dropout" in call.features:
+                # Each device would draw its shard's mask from the same key and
+                # local positions: masks repeated across shards, not the contract's.
+                raise UnsupportedError(
+                    f"dropout_rate={call.dropout_rate}: attention dropout is served on a "
+                    "single device only, not for sharded or ring attention; apply "
+                    "dropout outside attention there, or call it unsharded"
+                )
             return self._parallel_layer().run(self._single_device(), self.sharding,
                                               call, q, k, v, operands)
         served = {p: self.backend_for(call, platform=p) for p, _ in self.platforms}

@@ -11,6 +11,7 @@ import pluggy
 
 from .call import AttentionCall, Operands
 from .capabilities import Capabilities
+from .errors import UnsupportedError
 
 
 class Backend(abc.ABC):
@@ -71,6 +72,23 @@ class Backend(abc.ABC):
         Optional: added within api_version 1, defaults to None.
         """
         return None
+
+    def dropout_keep(self, call: AttentionCall, key: Any) -> Any:
+        """The keep-mask :meth:`attend` applies to ``call`` with ``dropout_key=key``:
+        bool ``[B, Hq, Tq, Tk]``, True where the weight of key j for query i is kept
+        (then scaled by ``1 / (1 - call.dropout_rate)``).
+
+        Exactly the mask ``attend`` draws, forward and backward, whatever the
+        options (block sizes) it runs with: the probe and the conformance suite
+        compare ``attend`` with the float64 oracle under it. Called for small
+        calls only (it may materialise the mask); ``key`` as in
+        :class:`Operands`. A backend whose manifest claims ``dropout`` must
+        implement it. Added within api_version 1.
+        """
+        raise UnsupportedError(
+            f"backend {self.name!r} does not expose its dropout keep-mask "
+            "(Backend.dropout_keep), so its dropout cannot be checked"
+        )
 
     def priority_on(self, platform: str) -> int:
         """This backend's default priority on ``platform`` (0 when undeclared)."""

@@ -29,6 +29,7 @@ FEATURES = (
     "bias",
     "softcap",
     "return_lse",
+    "dropout",
 )
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 _BHTD_HINT = (
@@ -74,6 +75,10 @@ class AttentionCall:
     #: sizes) follow the target, not the host; None elsewhere (a backend called
     #: directly). Added within api_version 1.
     platform: str | None = None
+    #: Attention dropout: the probability a (query, key) weight is dropped, in
+    #: [0, 1); 0 is no dropout. Static (part of the program); its key is the
+    #: ``dropout_key`` operand. Added within api_version 1.
+    dropout_rate: float = 0.0
 
     @property
     def group(self) -> int:
@@ -108,6 +113,7 @@ class AttentionCall:
             "bias": self.bias_shape is not None,
             "softcap": self.softcap is not None,
             "return_lse": self.return_lse,
+            "dropout": self.dropout_rate > 0,
         }
         return frozenset(f for f, on in used.items() if on)
 
@@ -121,7 +127,8 @@ class AttentionCall:
         extras = []
         for feature in FEATURES:
             if feature in self.features:
-                extras.append(f"window={self.window}" if feature == "window" else feature)
+                extras.append({"window": f"window={self.window}",
+                               "dropout": f"dropout={self.dropout_rate}"}.get(feature, feature))
         return text + (" " + " ".join(extras) if extras else "")
 
 
@@ -131,7 +138,8 @@ class Operands(NamedTuple):
     q_segment_ids ``[B, Tq]`` int, kv_segment_ids ``[B, Tk]`` int,
     q_lengths ``[B]`` int, kv_lengths ``[B]`` int, mask ``[B|1, Hq|1, Tq, Tk]``
     bool (or a key mask ``[B|1, 1, 1, Tk]``, never handed to a backend as
-    such), bias ``[B|1, Hq|1, Tq, Tk]`` float.
+    such), bias ``[B|1, Hq|1, Tq, Tk]`` float, dropout_key the PRNG key of a
+    dropout call (a typed key array of shape ``[]`` or a raw ``uint32[2]``).
     """
 
     q_segment_ids: Any = None
@@ -140,6 +148,7 @@ class Operands(NamedTuple):
     kv_lengths: Any = None
     mask: Any = None
     bias: Any = None
+    dropout_key: Any = None
 
 
 def _dtype_name(x: Any) -> str:
@@ -297,6 +306,46 @@ def _check_softcap(softcap: Any) -> float | None:
     return float(softcap)
 
 
+def _is_typed_key(x: Any) -> bool:
+    import jax
+
+    return bool(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
+def _check_dropout(rate: Any, key: Any) -> float:
+    """The static rate in [0, 1); a rate > 0 needs a key, a key needs a rate > 0."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)):
+        raise ValueError(
+            f"dropout_rate: expected a static Python float in [0, 1) (it is part of the "
+            f"compiled program), got {type(rate).__name__}. Pass float(rate)."
+        )
+    rate = float(rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate: expected a value in [0, 1), got {rate}")
+    if rate > 0 and key is None:
+        raise ValueError(
+            f"dropout_key: dropout_rate={rate} needs a PRNG key (jax.random.key(seed) or "
+            "jax.random.PRNGKey(seed)), got None"
+        )
+    if rate == 0 and key is not None:
+        raise ValueError(
+            "dropout_key: given with dropout_rate=0, which drops nothing; pass "
+            "dropout_rate > 0, or leave the key out"
+        )
+    if key is None:
+        return rate
+    _require_array("dropout_key", key)
+    typed = _is_typed_key(key)
+    raw = not typed and _dtype_name(key) == "uint32" and _shape(key) == (2,)
+    if not raw and not (typed and _shape(key) == ()):
+        raise ValueError(
+            "dropout_key: expected one PRNG key, a typed key array of shape [] "
+            "(jax.random.key(seed)) or a raw uint32[2] key (jax.random.PRNGKey(seed)), "
+            f"got {key.dtype} of shape {list(_shape(key))}"
+        )
+    return rate
+
+
 def bind(
     q: Any,
     k: Any,
@@ -312,6 +361,8 @@ def bind(
     bias: Any = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_key: Any = None,
 ) -> tuple[AttentionCall, Operands]:
     """Validate the arguments of ``attention(...)`` and normalise them.
 
@@ -376,5 +427,6 @@ def bind(
         bias_dtype=bias_dtype,
         softcap=_check_softcap(softcap),
         return_lse=bool(return_lse),
+        dropout_rate=_check_dropout(dropout_rate, dropout_key),
     )
-    return call, Operands(q_ids, kv_ids, q_lengths, kv_lengths, mask, bias)
+    return call, Operands(q_ids, kv_ids, q_lengths, kv_lengths, mask, bias, dropout_key)

@@ -59,7 +59,7 @@ class HeadDims:
 class Capabilities:
     """What a backend can serve. The selector and the conformance suite read it.
 
-    Feature flags (``gqa`` ... ``return_lse``) name the features of
+    Feature flags (``gqa`` ... ``return_lse``, ``dropout``) name the features of
     :data:`attn_backends.FEATURES`; ``bias_grad`` and ``differentiable`` say
     whether gradients w.r.t. bias and q/k/v are implemented. ``jax_versions``
     is a range like ``">=0.10,<0.13"`` the backend was tested with.
@@ -78,6 +78,7 @@ class Capabilities:
     bias_grad: bool = False
     softcap: bool = False
     return_lse: bool = False
+    dropout: bool = False
     differentiable: bool = False
     deterministic: bool = True
     partitionable: bool = False

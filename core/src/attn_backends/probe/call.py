@@ -115,8 +115,9 @@ def inputs(call: AttentionCall, seed: int = 0) -> dict[str, Any]:
 
     q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]``, d_out
     like the output, d_lse ``[B, Hq, Tq]`` (None unless the call returns
-    lse). Floating arrays are already rounded to the call's dtype, so the
-    float64 oracle sees exactly what the backend sees. Rows see several keys
+    lse); a dropout call's operands hold a raw ``uint32[2]`` ``dropout_key``.
+    Floating arrays are already rounded to the call's dtype, so the float64
+    oracle sees exactly what the backend sees. Rows see several keys
     wherever the call's shape allows: lengths are long (:func:`_lengths_of_rows`),
     segments are long, masks keep most keys.
     """
@@ -148,6 +149,9 @@ def inputs(call: AttentionCall, seed: int = 0) -> dict[str, Any]:
         ops["mask"] = rng.random(call.mask_shape) < 0.8
     if call.bias_shape is not None:
         ops["bias"] = normal(*call.bias_shape, dtype=call.bias_dtype or "float32")
+    if call.dropout_rate:
+        # A raw key (jax.random.PRNGKey's layout), so the inputs stay NumPy.
+        ops["dropout_key"] = np.array([0, seed + 1], np.uint32)
     arrays["operands"] = ops
     return arrays
 
@@ -160,7 +164,7 @@ def operands(ops: dict[str, Any]) -> Operands:
     if "segment_ids" in ops:
         q_ids, kv_ids = ops["segment_ids"]
         out = out._replace(q_segment_ids=jnp.asarray(q_ids), kv_segment_ids=jnp.asarray(kv_ids))
-    for name in ("q_lengths", "kv_lengths", "mask", "bias"):
+    for name in ("q_lengths", "kv_lengths", "mask", "bias", "dropout_key"):
         if name in ops:
             out = out._replace(**{name: jnp.asarray(ops[name])})
     return out

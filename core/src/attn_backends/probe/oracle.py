@@ -64,7 +64,21 @@ def _expand_kv(x: np.ndarray, hq: int) -> np.ndarray:
     return np.repeat(x, group, axis=2).transpose(0, 2, 1, 3)
 
 
-def _forward_parts(q, k, v, scale, softcap, bias, vis):
+def _dropout(rate: float, keep: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The factor dropout multiplies the probabilities by, ``keep / (1 - rate)``
+    ``[B, Hq, Tq, Tk]`` float64, or None without dropout."""
+    if keep is None:
+        if rate:
+            raise ValueError(f"dropout_rate={rate} needs dropout_keep, the keep-mask")
+        return None
+    keep = np.asarray(keep)
+    if keep.shape != shape or keep.dtype != bool:
+        raise ValueError(f"dropout_keep: expected bool {list(shape)}, got {keep.dtype} "
+                         f"{list(keep.shape)}")
+    return keep / (1.0 - rate)
+
+
+def _forward_parts(q, k, v, scale, softcap, bias, vis, drop=None):
     b, tq, hq, d = q.shape
     scale = d**-0.5 if scale is None else scale
     qh = q.transpose(0, 2, 1, 3)
@@ -85,7 +99,7 @@ def _forward_parts(q, k, v, scale, softcap, bias, vis):
     probs = np.where(any_visible, expd / np.where(any_visible, total, 1.0), 0.0)
     with np.errstate(divide="ignore"):
         lse = np.where(any_visible, row_max + np.log(np.where(any_visible, total, 1.0)), -np.inf)
-    out = np.einsum("bhij,bhjd->bhid", probs, vh)
+    out = np.einsum("bhij,bhjd->bhid", probs if drop is None else probs * drop, vh)
     return scale, qh, kh, vh, tanh, probs, out, lse[..., 0]
 
 
@@ -103,12 +117,16 @@ def attention(
     mask: Any = None,
     bias: Any = None,
     softcap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_keep: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Contract attention in float64.
 
     q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]``.
     Returns ``(out [B, Tq, Hq, Dv], lse [B, Hq, Tq])``; rows with no visible
-    key give zeros and ``-inf``.
+    key give zeros and ``-inf``. With ``dropout_keep`` (bool ``[B, Hq, Tq,
+    Tk]``) the probabilities are multiplied by ``keep / (1 - dropout_rate)``
+    before they weigh V; lse stays that of the undropped logits.
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     b, tq, hq, _ = q.shape
@@ -116,7 +134,8 @@ def attention(
         b, hq, tq, k.shape[1], causal=causal, window=window, segment_ids=segment_ids,
         q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask,
     )
-    *_, out, lse = _forward_parts(q, k, v, scale, softcap, bias, vis)
+    drop = _dropout(dropout_rate, dropout_keep, vis.shape)
+    *_, out, lse = _forward_parts(q, k, v, scale, softcap, bias, vis, drop)
     return out.transpose(0, 2, 1, 3), lse
 
 
@@ -142,6 +161,8 @@ def attention_vjp(
     mask: Any = None,
     bias: Any = None,
     softcap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_keep: Any = None,
 ) -> dict[str, np.ndarray | None]:
     """Closed-form gradients of :func:`attention` in float64.
 
@@ -156,9 +177,13 @@ def attention_vjp(
         b, hq, tq, tk, causal=causal, window=window, segment_ids=segment_ids,
         q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask,
     )
-    scale, qh, kh, vh, tanh, probs, _, _ = _forward_parts(q, k, v, scale, softcap, bias, vis)
+    drop = _dropout(dropout_rate, dropout_keep, vis.shape)
+    scale, qh, kh, vh, tanh, probs, _, _ = _forward_parts(q, k, v, scale, softcap, bias, vis,
+                                                          drop)
     do = d_out.transpose(0, 2, 1, 3)
     d_probs = np.einsum("bhid,bhjd->bhij", do, vh)
+    if drop is not None:
+        d_probs = d_probs * drop
     d_logits = probs * (d_probs - (probs * d_probs).sum(axis=-1, keepdims=True))
     if d_lse is not None:
         finite = np.where(np.isfinite(_f64(d_lse)), _f64(d_lse), 0.0)
@@ -167,7 +192,7 @@ def attention_vjp(
     d_raw = d_logits if tanh is None else d_logits * (1.0 - tanh**2)
     dq = scale * np.einsum("bhij,bhjd->bhid", d_raw, kh)
     dk_rep = scale * np.einsum("bhij,bhid->bhjd", d_raw, qh)
-    dv_rep = np.einsum("bhij,bhid->bhjd", probs, do)
+    dv_rep = np.einsum("bhij,bhid->bhjd", probs if drop is None else probs * drop, do)
     group = hq // hkv
 
     def fold(x: np.ndarray) -> np.ndarray:
@@ -198,6 +223,8 @@ def magnitudes(
     mask: Any = None,
     bias: Any = None,
     softcap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_keep: Any = None,
 ) -> dict[str, np.ndarray | None]:
     """The size of the terms summed into each output element, in float64.
 
@@ -218,13 +245,18 @@ def magnitudes(
         b, hq, tq, tk, causal=causal, window=window, segment_ids=segment_ids,
         q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask,
     )
-    scale, qh, kh, vh, tanh, probs, _, lse = _forward_parts(q, k, v, scale, softcap, bias, vis)
+    drop = _dropout(dropout_rate, dropout_keep, vis.shape)
+    scale, qh, kh, vh, tanh, probs, _, lse = _forward_parts(q, k, v, scale, softcap, bias, vis,
+                                                            drop)
     logits = scale * np.abs(np.einsum("bhid,bhjd->bhij", qh, kh))
     if bias is not None:
         logits = logits + np.abs(_f64(bias))
     largest_logit = np.where(vis, logits, 0.0).max(axis=-1, initial=0.0)
     do = np.abs(d_out.transpose(0, 2, 1, 3))
     d_probs = np.einsum("bhid,bhjd->bhij", do, np.abs(vh))
+    weights = probs
+    if drop is not None:
+        d_probs, weights = d_probs * drop, probs * drop
     d_logits = probs * (d_probs + (probs * d_probs).sum(axis=-1, keepdims=True))
     if d_lse is not None:
         finite = np.where(np.isfinite(_f64(d_lse)), np.abs(_f64(d_lse)), 0.0)
@@ -236,10 +268,10 @@ def magnitudes(
         return x.reshape(b, hkv, group, tk, -1).sum(axis=2).transpose(0, 2, 1, 3)
 
     return {
-        "out": np.einsum("bhij,bhjd->bhid", probs, np.abs(vh)).transpose(0, 2, 1, 3),
+        "out": np.einsum("bhij,bhjd->bhid", weights, np.abs(vh)).transpose(0, 2, 1, 3),
         "lse": np.where(np.isfinite(lse), np.maximum(np.abs(lse), largest_logit), 0.0),
         "dq": scale * np.einsum("bhij,bhjd->bhid", d_raw, np.abs(kh)).transpose(0, 2, 1, 3),
         "dk": fold(scale * np.einsum("bhij,bhid->bhjd", d_raw, np.abs(qh))),
-        "dv": fold(np.einsum("bhij,bhid->bhjd", probs, do)),
+        "dv": fold(np.einsum("bhij,bhid->bhjd", weights, do)),
         "dbias": None if bias is None else _reduce_to(d_logits, np.shape(bias)),
     }

@@ -38,10 +38,46 @@ def probe_call(backend: Backend, call: AttentionCall) -> AttentionCall | None:
     return None
 
 
+#: Keep fractions further than this many standard deviations from ``1 - rate``
+#: fail a dropout probe (a mask that keeps everything, or drops too much).
+KEEP_SIGMAS = 6.0
+
+
+def dropout_reasons(backend: Backend, call: AttentionCall, key: Any) -> tuple[list[str], Any]:
+    """Whether ``backend.dropout_keep(call, key)`` can be the keep-mask of ``call``:
+    (reasons it cannot, the mask as NumPy bool ``[B, Hq, Tq, Tk]`` or None).
+
+    Its shape and dtype, its keep fraction within :data:`KEEP_SIGMAS` binomial
+    standard deviations of ``1 - rate``, and a different key giving a different
+    mask. That ``attend`` applies exactly this mask is judged by comparing it
+    with the oracle under the mask.
+    """
+    shape = (call.batch, call.q_heads, call.q_len, call.kv_len)
+    keep = np.asarray(backend.dropout_keep(call, key))
+    if keep.shape != shape or keep.dtype != bool:
+        return [f"dropout_keep returned {keep.dtype} {list(keep.shape)}, expected bool "
+                f"{list(shape)}"], None
+    rate, n = call.dropout_rate, keep.size
+    sigma = (n * rate * (1 - rate)) ** 0.5
+    kept, want = int(keep.sum()), n * (1 - rate)
+    reasons = []
+    if abs(kept - want) > KEEP_SIGMAS * sigma + 1:
+        reasons.append(f"dropout_keep keeps {kept} of {n} weights, expected {want:.0f} "
+                       f"+- {KEEP_SIGMAS * sigma:.0f} at dropout_rate={rate}")
+    other = np.asarray(key).copy()
+    other[-1] ^= np.uint32(0x5BD1E995)
+    if n >= 64 and np.array_equal(np.asarray(backend.dropout_keep(call, other)), keep):
+        reasons.append("dropout_keep gives the same mask for a different key")
+    return reasons, keep
+
+
 def _oracle_results(
-    call: AttentionCall, data: dict[str, Any], grads: tuple[str, ...]
+    call: AttentionCall, data: dict[str, Any], grads: tuple[str, ...], keep: Any = None
 ) -> tuple[dict, dict]:
     ops = dict(data["operands"])
+    ops.pop("dropout_key", None)
+    if keep is not None:
+        ops.update(dropout_rate=call.dropout_rate, dropout_keep=keep)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window, softcap=call.softcap,
                   **ops)
     q, k, v, d_out = data["q"], data["k"], data["v"], data["d_out"]
@@ -123,7 +159,10 @@ def run_probe(
     declares small-tile options (:meth:`Backend.tile_small_options`), it also
     runs under those, so a probe of a few dozen tokens crosses several of its
     tiles. Returns the reasons it disagrees (empty: it agrees), or None when
-    its ``check`` rejects every probe shape (nothing to compare).
+    its ``check`` rejects every probe shape (nothing to compare). A dropout
+    call is judged under the keep-mask the backend exposes
+    (:meth:`Backend.dropout_keep`, checked by :func:`dropout_reasons`), for its
+    default and small-tile options alike.
     """
     import jax
 
@@ -136,10 +175,16 @@ def run_probe(
         with_bias = small.bias_shape is not None and caps.bias_grad
         grads = ("q", "k", "v") + (("bias",) if with_bias else ())
     data = _probe_call.inputs(small)
+    keep = None
+    if small.dropout_rate:
+        with jax.default_device(jax.devices(platform)[0]):
+            wrong_mask, keep = dropout_reasons(backend, small, data["operands"]["dropout_key"])
+        if wrong_mask:
+            return [f"probe: {r}, on {small.describe()}" for r in wrong_mask]
     # Rows with no visible key are -inf - -inf in the oracle's lse algebra: by
     # design, so NumPy must not warn (callers may turn warnings into errors).
     with np.errstate(invalid="ignore", divide="ignore"):
-        want, scale = _oracle_results(small, data, grads)
+        want, scale = _oracle_results(small, data, grads, keep)
     runs = [("", options)]
     tiled = backend.tile_small_options(caps.served_call(small))
     if tiled is not None:

@@ -39,7 +39,11 @@ def visible(call: AttentionCall, ops: Operands) -> jax.Array:
 
 
 def dense_attention(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands) -> Any:
-    """q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` -> out (, lse)."""
+    """q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` -> out (, lse).
+
+    Dropout multiplies the probabilities by ``keep / (1 - rate)`` with the whole
+    keep-mask drawn at once (``attn_backends.authoring.dropout_keep``); lse is
+    that of the undropped logits."""
     b, tq, hq, d = q.shape
     hkv, group = call.kv_heads, call.group
     # Group query heads by the kv head they read (h = kv_head * group + g), so
@@ -63,6 +67,11 @@ def dense_attention(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands) 
     total = unnorm.sum(axis=-1, keepdims=True)
     safe_total = jnp.where(any_visible, total, 1.0)
     probs = unnorm / safe_total
+    if call.dropout_rate:
+        from attn_backends.authoring import dropout_keep
+
+        keep = dropout_keep(call, ops.dropout_key)
+        probs = jnp.where(keep, probs / (1.0 - call.dropout_rate), 0.0)
     out = jnp.einsum(
         "bkgqs,bskd->bqkgd",
         probs.reshape(b, hkv, group, tq, call.kv_len),

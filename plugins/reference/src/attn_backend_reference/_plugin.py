@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from attn_backends import FEATURES, PLATFORMS, AttentionCall, Backend, Operands, hookimpl
-from attn_backends.authoring import distribution_version, manifest
+from attn_backends.authoring import distribution_version, dropout_keep, manifest
 
 
 class ReferenceBackend(Backend):
@@ -24,6 +24,10 @@ class ReferenceBackend(Backend):
         from ._dense import dense_attention
 
         return dense_attention(call, q, k, v, operands)
+
+    def dropout_keep(self, call: AttentionCall, key: Any) -> Any:
+        """The keep-mask ``attend`` applies: bool ``[B, Hq, Tq, Tk]`` (authoring's rule)."""
+        return dropout_keep(call, key)
 
 
 @hookimpl

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from ._plan import Masks, Plan, kv_block, visibility
+from ._plan import Masks, Plan, kv_block, tile_keep, visibility
 from ._ranges import has_positional_mask, q_blocks_for, visit
 from ._tile import dot_nn, logits_t
 
@@ -39,6 +39,7 @@ def xla_native_backward(
     lse: Array,
     delta: Array,
     bias_grad: bool,
+    seed: Array | None = None,
 ) -> tuple[Array, Array, Array, Array | None]:
     """Gradients of the blocked forward.
 
@@ -47,7 +48,8 @@ def xla_native_backward(
     Hkv, Dv]`` (each key block's tile is cut from it as the loop reaches
     it), ``lse`` and ``delta`` (``rowsum(d_out * out) - d_lse``) ``[n_q, B,
     Hkv, rows]`` float32, with lse ``+inf`` on rows whose gradient must be
-    zero (no visible key, padding). Returns dq, dk, dv (float32, blocked)
+    zero (no visible key, padding). ``seed`` draws each tile's dropout keep
+    bits again, exactly as the forward drew them. Returns dq, dk, dv (float32, blocked)
     and the padded bias gradient (float32) or None.
     """
     dtype = q.dtype
@@ -79,8 +81,17 @@ def xla_native_backward(
             vis_t = None if vis is None else vis.swapaxes(-1, -2)
             if vis_t is not None:
                 p_t = jnp.where(vis_t, p_t, 0.0)
-            dv = dv + dot_nn(p_t.astype(dtype), do_tile)
-            ds_t = p_t * (dot_nn(v_tile, do_t_tile) - delta_tile)
+            dp_t = dot_nn(v_tile, do_t_tile)
+            if plan.dropout_rate:
+                # out = (P * keep / (1 - rate)) V: dV sees the dropped weights,
+                # dP the dropped gradient; delta = rowsum(dO * out) already is.
+                drop_t = jnp.where(tile_keep(plan, seed, qi, kj).swapaxes(-1, -2),
+                                   jnp.float32(1.0 / (1.0 - plan.dropout_rate)), 0.0)
+                dv = dv + dot_nn((p_t * drop_t).astype(dtype), do_tile)
+                dp_t = dp_t * drop_t
+            else:
+                dv = dv + dot_nn(p_t.astype(dtype), do_tile)
+            ds_t = p_t * (dp_t - delta_tile)
             if vis_t is not None:
                 # Hidden keys may hold garbage V: 0 * inf must not become NaN.
                 ds_t = jnp.where(vis_t, ds_t, 0.0)

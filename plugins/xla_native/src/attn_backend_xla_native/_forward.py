@@ -7,15 +7,28 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from ._plan import Masks, Plan, kv_block, put_q_block, put_row_block, q_block, visibility
+from ._plan import (
+    Masks,
+    Plan,
+    kv_block,
+    put_q_block,
+    put_row_block,
+    q_block,
+    tile_keep,
+    visibility,
+)
 from ._ranges import has_positional_mask, kv_blocks_for, visit
 from ._tile import dot_nn, logits
 
 Array = Any
 
 
-def _step(s: Array, vis: Array | None, carry: tuple, v_tile: Array) -> tuple:
-    """Online-softmax update of ``(m, row_sum, acc)`` with one tile."""
+def _step(s: Array, vis: Array | None, carry: tuple, v_tile: Array,
+          dropped: Any = None) -> tuple:
+    """Online-softmax update of ``(m, row_sum, acc)`` with one tile.
+
+    ``dropped(p)``: the tile's probabilities after dropout (None: none); the
+    row sums (so the lse) stay those of the undropped ones."""
     m, row_sum, acc = carry
     if vis is not None:
         # Select, never multiply: garbage at hidden keys must not leak.
@@ -27,6 +40,8 @@ def _step(s: Array, vis: Array | None, carry: tuple, v_tile: Array) -> tuple:
     p = jnp.exp(s - m_safe[..., None])
     alpha = jnp.exp(m - m_safe)
     row_sum = alpha * row_sum + p.sum(axis=-1)
+    if dropped is not None:
+        p = dropped(p)
     acc = acc * alpha[..., None] + dot_nn(p.astype(v_tile.dtype), v_tile)
     return m_new, row_sum, acc
 
@@ -39,6 +54,7 @@ def xla_native_forward(
     v: Array,
     bias: Array | None,
     masks: Masks,
+    seed: Array | None = None,
 ) -> tuple[Array, Array]:
     """Blocked attention forward.
 
@@ -47,7 +63,8 @@ def xla_native_forward(
     block_kv]``, bias padded ``[B|1, Hkv|1, G|1, Tq_pad, Tk_pad]``; each q
     tile is multiplied by ``q_scale`` as it is read. Returns out ``[B,
     Tq_pad, Hq, Dv]`` (q's dtype) and lse ``[B, Hq, Tq_pad]`` float32,
-    ``-inf`` for rows that see no key.
+    ``-inf`` for rows that see no key. ``seed`` (``uint32[2]``, with
+    ``plan.dropout_rate``) draws each tile's dropout keep bits.
 
     q and v tiles are moved into tile layout inside the loop and each
     output tile is written straight back to the caller's layout: no
@@ -67,7 +84,15 @@ def xla_native_forward(
             v_tile = kv_block(plan, v, kj)
             s, _ = logits(plan, q_tile, k_tile, bias, qi, kj)
             vis = visibility(plan, masks, qi, kj, positional)
-            return _step(s, vis, carry, v_tile)
+            dropped = None
+            if plan.dropout_rate:
+                keep = tile_keep(plan, seed, qi, kj)
+                inv = jnp.float32(1.0 / (1.0 - plan.dropout_rate))
+
+                def dropped(p: Array) -> Array:
+                    return jnp.where(keep, p * inv, 0.0)
+
+            return _step(s, vis, carry, v_tile, dropped)
 
         carry = (
             jnp.full(lead, -jnp.inf, jnp.float32),

@@ -44,8 +44,9 @@ def blockwise_attention(
     dtype) and lse ``[B, Hq, Tq]`` float32, differentiable in q, k, v, bias.
 
     Calls with a few query positions go to the decode path, which has no
-    blocks; ``blocks`` serve the rest."""
-    if decode_suits(call):
+    blocks (nor dropout: dropout calls stay on the blocks); ``blocks`` serve
+    the rest."""
+    if decode_suits(call) and not call.dropout_rate:
         from ._decode import decode_attention
 
         return decode_attention(call, q, k, v, operands)
@@ -53,7 +54,12 @@ def blockwise_attention(
     masks = prepare_masks(plan, operands)
     bwd_plan = Plan.of(call, blocks.backward())
     bwd_masks = masks if bwd_plan == plan else prepare_masks(bwd_plan, operands)
-    return _attention(plan, bwd_plan, q, k, v, operands.bias, masks, bwd_masks)
+    seed = None
+    if call.dropout_rate:
+        from attn_backends.authoring import dropout_seed
+
+        seed = dropout_seed(operands.dropout_key)
+    return _attention(plan, bwd_plan, q, k, v, operands.bias, masks, bwd_masks, seed)
 
 
 # Jitted under fixed names: the names appear in the lowered program as called
@@ -72,8 +78,9 @@ def _attention(
     bias: Array | None,
     masks: Masks,
     bwd_masks: Masks,
+    seed: Array | None,
 ) -> tuple[Array, Array]:
-    return _attention_fwd(plan, bwd_plan, q, k, v, bias, masks, bwd_masks)[0]
+    return _attention_fwd(plan, bwd_plan, q, k, v, bias, masks, bwd_masks, seed)[0]
 
 
 def _attention_fwd(
@@ -85,6 +92,7 @@ def _attention_fwd(
     bias: Array | None,
     masks: Masks,
     bwd_masks: Masks,
+    seed: Array | None,
 ) -> tuple[tuple[Array, Array], tuple]:
     # K is kept transposed, [n_kv, B, Hkv, D, block_kv], so q.k is a plain NN
     # matmul in every tile. q and the output stay in the caller's layout.
@@ -93,11 +101,11 @@ def _attention_fwd(
     bias_p = None if bias is None else pairwise_to_padded(plan, bias, 0)
     folded, q_scale = _fold_scale(plan)
     q_p = pad_axis(q, 1, plan.n_q * plan.block_q)
-    out, lse = _forward_jit(folded, q_scale, q_p, k_t, v_p, bias_p, masks)
+    out, lse = _forward_jit(folded, q_scale, q_p, k_t, v_p, bias_p, masks, seed)
     out, lse = out[:, : plan.q_len], lse[..., : plan.q_len]
     # Only the caller's arrays, the output and lse are kept: the backward
     # pass may use other blocks and builds its own layouts.
-    residuals = (q, k, v, bias, bwd_masks, out, lse)
+    residuals = (q, k, v, bias, bwd_masks, seed, out, lse)
     return (out, lse), residuals
 
 
@@ -114,7 +122,7 @@ def _fold_scale(plan: Plan) -> tuple[Plan, float]:
 
 
 def _attention_bwd(_forward_plan: Plan, plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
-    q, k, v, bias, masks, out, lse = residuals
+    q, k, v, bias, masks, seed, out, lse = residuals
     k_t = kv_to_blocks(plan, k).swapaxes(-1, -2)
     bias_p = None if bias is None else pairwise_to_padded(plan, bias, 0)
     d_out, d_lse = cotangents
@@ -135,13 +143,14 @@ def _attention_bwd(_forward_plan: Plan, plan: Plan, residuals: tuple, cotangents
     # scaled and its dQ (ds k) still needs the scale.
     v_p = pad_axis(v, 1, plan.n_kv * plan.block_kv)
     dq, dk, dv, dbias = _backward_jit(
-        folded, q_b, k_t, v_p, bias_p, masks, do_b, lse_b, delta, bias_p is not None
+        folded, q_b, k_t, v_p, bias_p, masks, do_b, lse_b, delta, bias_p is not None, seed
     )
     grads = (
         q_from_blocks(plan, dq * jnp.float32(q_scale)).astype(q.dtype),
         kv_from_blocks(plan, dk).astype(k.dtype),
         kv_from_blocks(plan, dv).astype(v.dtype),
         None if dbias is None else pairwise_from_padded(plan, dbias).astype(bias.dtype),
+        None,
         None,
         None,
     )

@@ -66,6 +66,9 @@ class Plan:
     causal: bool
     window: tuple[int | None, int | None] | None
     softcap: float | None
+    #: Attention dropout's rate; the keep bits of each tile are drawn from the
+    #: call's key and the tile's positions (:func:`tile_keep`).
+    dropout_rate: float = 0.0
 
     @classmethod
     def of(cls, call: AttentionCall, blocks: BlockConfig) -> Plan:
@@ -84,6 +87,7 @@ class Plan:
             causal=call.causal,
             window=call.window,
             softcap=call.softcap,
+            dropout_rate=call.dropout_rate,
         )
 
     @property
@@ -247,6 +251,27 @@ def prepare_masks(plan: Plan, operands: Operands) -> Masks:
     if operands.mask is not None:
         mask = pairwise_to_padded(plan, operands.mask, False)
     return Masks(q_seg, kv_seg, q_len, kv_len, mask)
+
+
+def tile_keep(plan: Plan, seed: Array, qi: Array, kj: Array) -> Array:
+    """Dropout's keep bits of tile ``(qi, kj)``: bool ``[B, Hkv, rows, block_kv]``.
+
+    Drawn from ``seed`` and the tile's positions alone (authoring's
+    counter-based rule), so the backward pass, whatever its blocks, draws
+    again exactly the bits the forward used, and no mask of the whole
+    sequence is ever stored.
+    """
+    from attn_backends.authoring import dropout_keep_at
+
+    row = jnp.arange(plan.rows, dtype=jnp.int32)
+    g, t = row // plan.block_q, row % plan.block_q
+    b = jnp.arange(plan.batch, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(plan.kv_heads, dtype=jnp.int32)[None, :, None, None] * plan.group
+    h = h + g[None, None, :, None]
+    i = (qi * plan.block_q + t)[None, None, :, None]
+    j = kj * plan.block_kv + jnp.arange(plan.block_kv, dtype=jnp.int32)[None, None, None, :]
+    return dropout_keep_at(seed, b, h, i, j, rate=plan.dropout_rate,
+                           q_heads=plan.kv_heads * plan.group, q_len=plan.q_len)
 
 
 def _and(a: Array | None, b: Array) -> Array:

@@ -6,7 +6,12 @@ from typing import Any
 
 import attn_backends
 from attn_backends import FEATURES, PLATFORMS, AttentionCall, Backend, Operands
-from attn_backends.authoring import distribution_version, manifest, resolve_options
+from attn_backends.authoring import (
+    distribution_version,
+    dropout_keep,
+    manifest,
+    resolve_options,
+)
 
 from ._config import BlockConfig
 
@@ -55,6 +60,11 @@ class XlaNativeBackend(Backend):
         blocks = resolve_options(options, BlockConfig, default)
         out, lse = blockwise_attention(call, q, k, v, operands, blocks)
         return (out, lse) if call.return_lse else out
+
+    def dropout_keep(self, call: AttentionCall, key: Any) -> Any:
+        """The keep-mask ``attend`` applies, bool ``[B, Hq, Tq, Tk]``: the bits each
+        tile draws from the key and its positions, whatever the blocks."""
+        return dropout_keep(call, key)
 
     def tile_small_options(self, call: AttentionCall) -> BlockConfig:
         """Blocks of 8 and 16 rows, so short calls cross several tiles both ways.

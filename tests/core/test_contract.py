@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,3 +161,25 @@ def test_broadcast_mask_and_bias_shapes_are_accepted():
     call, _ = bind(Q, K, V, mask=jnp.ones((1, 4, 6, 10), bool), bias=jnp.zeros((2, 1, 6, 10)))
     assert call.mask_shape == (1, 4, 6, 10) and call.bias_shape == (2, 1, 6, 10)
     assert {"mask", "bias"} <= call.features
+
+
+def test_float64_reaches_only_a_backend_that_claims_it(fake_registry):
+    import attn_backends as ab
+    from _support import make_backend
+
+    def never(*args):
+        raise AssertionError("a backend not claiming float64 was handed a float64 call")
+
+    narrow = make_backend("narrow", priority=9, attend=never)  # default dtypes: no float64
+    wide = make_backend("wide", priority=1)
+    type(wide).capabilities = dataclasses.replace(wide.capabilities, dtypes=ab.CLAIMABLE_DTYPES)
+    reg = fake_registry(narrow, wide)
+    q = np.asarray(np.random.default_rng(0).standard_normal((1, 5, 2, 8)))
+    with jax.enable_x64(True):
+        with pytest.raises(ab.UnsupportedError,
+                           match=r"'narrow' cannot serve .* float64 on cpu: dtype float64 not in "
+                           r"\['bfloat16', 'float16', 'float32'\]"):
+            reg.get(device="cpu", backend="narrow")(q, q, q)
+        att = reg.get(device="cpu", fallback="silent")
+        assert att.explain(q, q, q).chosen == "wide"
+        assert att(q, q, q).dtype == np.float64

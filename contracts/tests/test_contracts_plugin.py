@@ -118,3 +118,35 @@ def test_suite_runs_tiles_twins_under_the_backends_small_tile_options() -> None:
     assert suite.attention_for(twins[-1]) is attention  # one Attention per options
     untiled = Suite(ReferenceBackend(), source="test", platform="cpu", quick=True)
     assert not any(c.tiles for c in untiled.cases)
+
+
+def test_float64_row_is_a_handful_of_cases_and_their_twins() -> None:
+    from attn_backends import CLAIMABLE_DTYPES, FEATURES, Capabilities
+    from attn_backends_contracts.cases import QUICK_WIDE_SWEEP, WIDE_SWEEP
+
+    caps = Capabilities(platforms={"cpu"}, dtypes=CLAIMABLE_DTYPES,
+                        **{f: True for f in FEATURES}, bias_grad=True, differentiable=True)
+    for quick, sweep in ((False, WIDE_SWEEP), (True, QUICK_WIDE_SWEEP)):
+        wide = [c for c in cases_for(caps, quick=quick) if c.dtype == "float64"]
+        assert sorted((c.family, c.name, c.tiles) for c in wide) == sorted(
+            (f, n, t) for f, n in sweep for t in (False, True))
+    narrow = Capabilities(platforms={"cpu"}, **{f: True for f in FEATURES})
+    assert not any(c.dtype == "float64" for c in cases_for(narrow))
+
+
+def test_float64_cases_run_under_x64_in_batches_of_their_own() -> None:
+    from attn_backend_reference import ReferenceBackend
+    from attn_backends_contracts._runner import run_cases
+    from attn_backends_contracts._session import Suite
+
+    suite = Suite(ReferenceBackend(), source="test", platform="cpu", quick=False)
+    wide = [c for c in suite.cases if c.dtype == "float64"]
+    narrow = [c for c in suite.cases if c.dtype == "float32"]
+    suite.plan([narrow[0], wide[0], narrow[1], wide[1]])
+    assert suite._batch_for(narrow[0]) == [narrow[0], narrow[1]]
+    assert suite._batch_for(wide[0]) == [wide[0], wide[1]]
+    outcome = suite.outcome(wide[0])
+    assert not outcome.mismatches and outcome.errors["out"] < 1e-3  # of 1e-10: float64 kept
+    with pytest.raises(ValueError, match="mixes float64 cases with others"):
+        run_cases([(suite.attention, narrow[0]), (suite.attention, wide[0])], suite.caps,
+                  platform="cpu")

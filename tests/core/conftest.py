@@ -10,3 +10,9 @@ import pytest
 @pytest.fixture(autouse=True)
 def no_installed_plugins(monkeypatch):
     monkeypatch.setenv("ATTN_BACKENDS_NO_AUTOLOAD", "1")
+    yield
+    # A test here that reached the process-wide registry discovered nothing; later
+    # tests of the same worker (outside tests/core) must discover the plugins.
+    from attn_backends._wiring import registry
+
+    registry.reload()

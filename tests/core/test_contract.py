@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,10 +80,23 @@ def test_mixed_dtypes():
             Q, K.astype(jnp.bfloat16), V)
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.int32])
-def test_integer_and_float64_inputs(dtype):
-    q = np.zeros((2, 6, 4, 8), dtype)
-    _raises(rf"q: expected dtype float32, bfloat16 or float16, got {np.dtype(dtype).name}", q, q, q)
+def test_integer_and_complex_inputs_say_what_the_contract_takes():
+    ints = np.zeros((2, 6, 4, 8), np.int32)
+    _raises(r"q: expected dtype float32, bfloat16 or float16 \(float64 under jax_enable_x64\), "
+            r"got int32\.$", ints, ints, ints)
+    c = np.zeros((2, 6, 4, 8), np.complex64)
+    _raises(r"q: .* got complex64\. Attention's softmax is defined for real logits", c, c, c)
+
+
+def test_float64_binds_only_where_jax_keeps_it():
+    q = np.zeros((2, 6, 4, 8), np.float64)
+    # Without x64 JAX would compute float32: refused, saying how to get float64.
+    _raises(r"q: dtype float64 needs jax_enable_x64 .* cast to float32", q, q, q)
+    with jax.enable_x64(True):
+        call, _ = bind(q, q, q, bias=np.zeros((1, 1, 6, 6)))
+        assert call.dtype == call.bias_dtype == "float64"
+        with pytest.raises(ValueError, match=r"bias: .* got complex128\. Attention's softmax"):
+            bind(q, q, q, bias=np.zeros((1, 1, 6, 6), np.complex128))
 
 
 def test_not_an_array():
@@ -100,7 +115,8 @@ def test_not_an_array():
          r"mask: expected dtype bool .* got float32"),
         ({"bias": jnp.ones((3, 4, 6, 10))}, r"bias: expected shape .* got \[3, 4, 6, 10\]"),
         ({"bias": jnp.ones((1, 1, 6, 10), jnp.int32)},
-         r"bias: expected dtype float32, bfloat16 or float16, got int32"),
+         r"bias: expected dtype float32, bfloat16 or float16 \(float64 under jax_enable_x64\), "
+         r"got int32"),
         ({"segment_ids": jnp.zeros((2, 6), jnp.int32)}, r"segment_ids: expected a pair"),
         ({"segment_ids": (jnp.zeros((2, 6), jnp.int32), jnp.zeros((2, 9), jnp.int32))},
          r"segment_ids\[1\] \(kv_ids\): expected shape \[2, 10\], got \[2, 9\]"),
@@ -145,3 +161,25 @@ def test_broadcast_mask_and_bias_shapes_are_accepted():
     call, _ = bind(Q, K, V, mask=jnp.ones((1, 4, 6, 10), bool), bias=jnp.zeros((2, 1, 6, 10)))
     assert call.mask_shape == (1, 4, 6, 10) and call.bias_shape == (2, 1, 6, 10)
     assert {"mask", "bias"} <= call.features
+
+
+def test_float64_reaches_only_a_backend_that_claims_it(fake_registry):
+    import attn_backends as ab
+    from _support import make_backend
+
+    def never(*args):
+        raise AssertionError("a backend not claiming float64 was handed a float64 call")
+
+    narrow = make_backend("narrow", priority=9, attend=never)  # default dtypes: no float64
+    wide = make_backend("wide", priority=1)
+    type(wide).capabilities = dataclasses.replace(wide.capabilities, dtypes=ab.CLAIMABLE_DTYPES)
+    reg = fake_registry(narrow, wide)
+    q = np.asarray(np.random.default_rng(0).standard_normal((1, 5, 2, 8)))
+    with jax.enable_x64(True):
+        with pytest.raises(ab.UnsupportedError,
+                           match=r"'narrow' cannot serve .* float64 on cpu: dtype float64 not in "
+                           r"\['bfloat16', 'float16', 'float32'\]"):
+            reg.get(device="cpu", backend="narrow")(q, q, q)
+        att = reg.get(device="cpu", fallback="silent")
+        assert att.explain(q, q, q).chosen == "wide"
+        assert att(q, q, q).dtype == np.float64

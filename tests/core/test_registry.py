@@ -36,8 +36,12 @@ def test_unknown_backend_name_lists_installed(fake_registry):
 
 def test_bad_device_and_fallback_arguments(fake_registry):
     reg = fake_registry(make_backend("one"))
-    with pytest.raises(ValueError, match=r"device: expected None, one of \['cpu', 'gpu', 'tpu'\]"):
-        reg.get(device="npu")
+    with pytest.raises(ValueError, match=r"device: 'gpuu' is not a platform name; did you mean"):
+        reg.get(device="gpuu")
+    with pytest.raises(ValueError, match=r"device: 'n p u' is not a platform name; a platform is"):
+        reg.get(device="n p u")
+    with pytest.raises(ValueError, match=r"device: expected None, a platform name .* got 3"):
+        reg.get(device=3)
     with pytest.raises(ValueError, match=r"fallback: expected one of"):
         reg.get(fallback="loud")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from attn_backends.tolerances import (
+    DEFAULT_ROWS,
     OUTPUTS,
     PLATFORMS,
     TOLERANCES,
@@ -39,14 +40,16 @@ def test_non_finite_must_sit_where_the_oracle_has_it() -> None:
 
 def test_table_is_complete_and_checks_itself() -> None:
     for platform in PLATFORMS:
-        for dtype in ("float32", "bfloat16", "float16"):
+        for dtype in ("float32", "bfloat16", "float16", "float64"):
             for output in OUTPUTS:
                 t = tolerance(dtype, output, platform=platform)
                 assert t is TOLERANCES[platform][dtype][output] and t.why
     with pytest.raises(ValueError, match="atol > 0"):
         Tolerance(0.0, 1e-3, "x")
-    with pytest.raises(ValueError, match="platform must be one of .* got 'cuda'"):
+    with pytest.raises(ValueError, match="platform: 'cuda' is JAX's name for the contract's 'gpu'"):
         tolerance("float32", "out", platform="cuda")
+    with pytest.raises(ValueError, match="platform: 'gpuu' is not a platform name; did you mean"):
+        tolerance("float32", "out", platform="gpuu")
     with pytest.raises(ValueError, match="output must be one of .* got 'dx'"):
         tolerance("float32", "dx", platform="cpu")
 
@@ -146,3 +149,27 @@ def test_compare_warns_about_nothing() -> None:
         warnings.simplefilter("error")
         assert compare("lse", np.array([-np.inf, 3.0]), oracle, T) is not None
         assert compare("lse", np.array([-np.inf, 1.0]), oracle, T) is None
+
+
+def test_a_platform_without_rows_gets_the_default_rows() -> None:
+    """A PJRT plugin's platform is judged by the default rows: float32 as the least
+    precise default matmul the table knows (one bfloat16 pass, TPU's)."""
+    for dtype in ("float32", "bfloat16", "float16", "float64"):
+        for output in OUTPUTS:
+            t = tolerance(dtype, output, platform="neuron")
+            assert t is DEFAULT_ROWS[dtype][output]
+            assert t.atol >= max(TOLERANCES[p][dtype][output].atol for p in PLATFORMS)
+
+
+def test_float64_row_fails_a_float32_step_and_passes_float64_rounding() -> None:
+    """float64 is held to float64: one float32 rounding of an order-1 output fails,
+    while the rounding of a thousand-term float64 sum passes by far."""
+    rng = np.random.default_rng(0)
+    want = rng.standard_normal(4096)
+    for platform in PLATFORMS:
+        for output in OUTPUTS:
+            tol = tolerance("float64", output, platform=platform)
+            assert compare(output, want.astype(np.float32), want, tol) is not None, output
+            summed = want + want * 1000 * np.finfo(np.float64).eps
+            assert normalised_error(summed, want, tol) < 0.01
+            assert tol.atol * 1e4 <= tolerance("float32", output, platform="cpu").atol

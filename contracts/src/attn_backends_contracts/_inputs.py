@@ -7,9 +7,11 @@ that pick cases for a manifest, and re-export :func:`make_inputs`). Both take
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Any
 
+import attn_backends
 import numpy as np
 
 from ._case import GARBAGE, Case
@@ -19,11 +21,34 @@ def _rng(case: Case, salt: str = "") -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(f"{case.family}/{case.name}/{salt}".encode()))
 
 
+#: Dtypes a manifest may claim beyond the default ones: float64, which JAX
+#: computes only under x64.
+WIDE_DTYPES = attn_backends.CLAIMABLE_DTYPES - attn_backends.DTYPES
+
+
+def wide(dtype: str) -> bool:
+    """Whether ``dtype`` is one JAX computes only under x64 (float64)."""
+    return dtype in WIDE_DTYPES
+
+
+def x64_for(dtype: str) -> contextlib.AbstractContextManager[Any]:
+    """``jax.enable_x64(True)`` for a float64 case (without it JAX computes
+    float32), else a context that changes nothing: a case's program is traced,
+    compiled and run inside it."""
+    import jax
+
+    return jax.enable_x64(True) if wide(dtype) else contextlib.nullcontext()
+
+
 def _cast(x: np.ndarray, dtype: str) -> tuple[Any, np.ndarray]:
-    """``x`` in ``dtype`` (numpy, via ml_dtypes for bfloat16) and its float64 value."""
+    """``x`` in ``dtype`` (numpy, via ml_dtypes for bfloat16) and its float64 value.
+
+    float64 keeps all of x's bits (no float32 step), so a backend that drops
+    to float32 inside shows against the oracle."""
     import jax.numpy as jnp
 
-    typed = np.asarray(x, dtype=np.float32).astype(jnp.dtype(dtype))
+    typed = np.asarray(x, dtype=np.float64 if wide(dtype) else np.float32)
+    typed = typed.astype(jnp.dtype(dtype))
     return typed, typed.astype(np.float64)
 
 
@@ -54,7 +79,8 @@ def make_inputs(case: Case) -> dict[str, Any]:
 
     Keys: q, k, v (numpy, case dtype) and q64, k64, v64 (their float64
     values); kwargs (attention keyword arguments, numpy operands); d_out
-    (cotangent, case dtype) and d_out64; d_lse (float32 ``[B, Hq, Tq]``).
+    (cotangent, case dtype) and d_out64; d_lse (``[B, Hq, Tq]``, float32, or
+    float64 for a float64 case: lse's dtype).
     """
     rng = _rng(case)
     b, tq, tk, hq, hkv = case.batch, case.q_len, case.kv_len, case.q_heads, case.kv_heads
@@ -95,7 +121,8 @@ def make_inputs(case: Case) -> dict[str, Any]:
         kwargs["dropout_key"] = np.array([0, zlib.crc32(case.name.encode())], np.uint32)
     (q, q64), (k, k64), (v, v64) = (_cast(x, case.dtype) for x in (q, k, v))
     d_out, d_out64 = _cast(rng.standard_normal((b, tq, hq, dv)), case.dtype)
-    d_lse = (0.5 * rng.standard_normal((b, hq, tq))).astype(np.float32)
+    d_lse = (0.5 * rng.standard_normal((b, hq, tq))).astype(
+        np.float64 if wide(case.dtype) else np.float32)
     return {
         "q": q, "k": k, "v": v, "q64": q64, "k64": k64, "v64": v64, "kwargs": kwargs,
         "d_out": d_out, "d_out64": d_out64, "d_lse": d_lse,

@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ._case import Case
-from ._inputs import make_inputs
+from ._inputs import make_inputs, wide, x64_for
 from ._oracle import attention as oracle_attention
 from ._oracle import attention_vjp as oracle_vjp
 from .tolerances import GRADIENT_FINITE_ONLY_INPUTS, Mismatch, compare, normalised_error, tolerance
@@ -139,8 +138,19 @@ def run_cases(
     30% less CPU time than its cases one by one (compilation dominates the
     suite). A
     batch that raises is run again case by case by the caller, so an error is
-    reported against the case that caused it.
+    reported against the case that caused it. The cases of one batch share
+    their x64 setting (:func:`~._inputs.x64_for`): float64 cases run under
+    ``jax.enable_x64``, the others without it.
     """
+    if len({wide(case.dtype) for _, case in runs}) > 1:
+        raise ValueError("run_cases: a batch mixes float64 cases with others (x64 differs)")
+    with x64_for(runs[0][1].dtype):
+        return _run_cases(runs, capabilities, platform=platform)
+
+
+def _run_cases(
+    runs: Sequence[tuple[Any, Case]], capabilities: Any, *, platform: str
+) -> list[Outcome]:
     datas = [make_inputs(case) for _, case in runs]
     programs = [_program(att, capabilities, case, data)
                 for (att, case), data in zip(runs, datas, strict=True)]
@@ -166,11 +176,12 @@ def _outcome(case: Case, data: dict[str, Any], primal: Any, grads: Any, differen
              platform: str) -> Outcome:
     actual: dict[str, np.ndarray] = {}
     out = primal[0] if case.return_lse else primal
-    actual["out"] = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    # Every dtype converts to float64 exactly (a float64 output keeps its bits).
+    actual["out"] = np.asarray(out).astype(np.float64)
     if case.return_lse:
         actual["lse"] = np.asarray(primal[1], np.float64)
     for name, g in zip(("dq", "dk", "dv", "dbias"), grads, strict=False):
-        actual[name] = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
+        actual[name] = np.asarray(g).astype(np.float64)
     expected = oracle(case, data, differentiable)
     errors, mismatches = {}, {}
     for name, value in actual.items():

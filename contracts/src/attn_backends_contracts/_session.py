@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from ._inputs import wide, x64_for
 from .cases import Case, cases_for, make_inputs
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -145,8 +146,9 @@ class Suite:
         import attn_backends
 
         data = make_inputs(case)
-        call, _ = attn_backends.bind(data["q"], data["k"], data["v"],
-                                     return_lse=case.return_lse, **data["kwargs"])
+        with x64_for(case.dtype):
+            call, _ = attn_backends.bind(data["q"], data["k"], data["v"],
+                                         return_lse=case.return_lse, **data["kwargs"])
         # As the registry hands it to the backend (a key mask as segment ids).
         return self.caps.served_call(call)
 
@@ -188,7 +190,9 @@ class Suite:
         for other in self._planned[start:]:
             if len(batch) == BATCH_SIZE:
                 break
-            if other.id not in self._outcomes and not self.declined(other):
+            # One x64 setting per batch (run_cases): float64 cases batch apart.
+            if (other.id not in self._outcomes and wide(other.dtype) == wide(case.dtype)
+                    and not self.declined(other)):
                 batch.append(other)
         return batch
 
@@ -232,7 +236,7 @@ class Suite:
 
         caps = self.caps
         out = [("feature", f) for f in attn_backends.FEATURES if f not in caps.features]
-        out += [("dtype", d) for d in sorted(attn_backends.DTYPES - caps.dtypes)]
+        out += [("dtype", d) for d in sorted(attn_backends.CLAIMABLE_DTYPES - caps.dtypes)]
         out += [("platform", p) for p in sorted(attn_backends.PLATFORMS - caps.platforms)]
         rejected = next((d for d in range(1, 4097) if caps.head_dims.reasons(d, "d")), None)
         if rejected is not None:

@@ -31,6 +31,7 @@ from typing import Any
 # Re-exported: a case, the garbage value and the arrays of a case, beside the tables.
 from ._case import GARBAGE as GARBAGE
 from ._case import Case
+from ._inputs import WIDE_DTYPES as _WIDE_DTYPES
 from ._inputs import make_inputs as make_inputs
 
 
@@ -200,7 +201,19 @@ DTYPE_SWEEP = (
     ("bias", "per-batch-f32"), ("lengths", "kv-b3"), ("combined", "all"),
     ("key_mask", "segments-empty-b3"), ("key_mask", "decode-q1k300-b2"),
 )
-#: Families that run whole in every claimed dtype, not only the primary one.
+#: The float64 row (x64; a manifest claims float64 explicitly): a handful of
+#: cases, not :data:`DTYPE_SWEEP` nor :data:`EVERY_DTYPE`, each also as a
+#: ``tiles`` twin, run under ``jax.enable_x64``. ``combined-all`` uses every
+#: feature (bias, softcap, lse included); the others reach GQA, causal with
+#: Tq != Tk, and rows that see no key. What float64 adds is precision, which
+#: these judge at float64's tolerance; the narrow dtypes' sweep stays theirs.
+WIDE_SWEEP = (
+    ("shapes", "q17k17"), ("gqa", "h4kv2"), ("causal", "q7k19"),
+    ("masked_rows", "causal-q23k5"), ("combined", "all"),
+)
+#: The part of :data:`WIDE_SWEEP` kept by ``quick`` (with its tiles twin).
+QUICK_WIDE_SWEEP = (("combined", "all"),)
+#: Families that run whole in every claimed dtype but float64, not only the primary one.
 EVERY_DTYPE = frozenset({"decode"})
 #: The part of the sweep kept by ``quick``.
 QUICK_SWEEP = (("shapes", "q17k17"),)
@@ -255,7 +268,8 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
 
     The primary dtype (float32 if claimed, else the first claimed) runs every
     table; each other claimed dtype runs :data:`DTYPE_SWEEP` and the tables
-    of :data:`EVERY_DTYPE`. A case that names a head dim the manifest rejects
+    of :data:`EVERY_DTYPE`, but float64 runs :data:`WIDE_SWEEP` and its
+    tiles twins. A case that names a head dim the manifest rejects
     runs at the base head dim instead. With ``tiles``,
     each primary-dtype case outside :data:`NO_TILES` (with ``quick``: those of
     :data:`QUICK_TILES`) also gets a ``tiles=True`` twin; the suite drops the
@@ -277,15 +291,22 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
             chosen.append(replace(case, dtype=primary))
     sweep = QUICK_SWEEP if quick else DTYPE_SWEEP
     by_key = {(c.family, c.name): c for t in tables.values() for c in t}
+    wide = []
     for dtype in dtypes:
-        if dtype != primary:
-            chosen += [replace(by_key[key], dtype=dtype) for key in sweep if key in by_key]
-            chosen += [replace(case, dtype=dtype) for family in sorted(EVERY_DTYPE)
-                       for case in tables[family] if case.quick or not quick]
+        if dtype == primary:
+            continue
+        if dtype in _WIDE_DTYPES:
+            keys = QUICK_WIDE_SWEEP if quick else WIDE_SWEEP
+            wide += [replace(by_key[key], dtype=dtype) for key in keys]
+            continue
+        chosen += [replace(by_key[key], dtype=dtype) for key in sweep if key in by_key]
+        chosen += [replace(case, dtype=dtype) for family in sorted(EVERY_DTYPE)
+                   for case in tables[family] if case.quick or not quick]
     if tiles:
         twins = [c for c in chosen if c.dtype == primary and c.family not in NO_TILES
                  and (not quick or (c.family, c.name) in QUICK_TILES)]
-        chosen += [replace(c, tiles=True) for c in twins]
+        chosen += [replace(c, tiles=True) for c in twins + wide]
+    chosen += wide
     out = []
     for case in chosen:
         d = case.head_dim if case.head_dim and _head_dim_ok(caps.head_dims, case.head_dim) else base

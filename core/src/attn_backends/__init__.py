@@ -10,7 +10,7 @@ from .choose.discovery import LoadProblem, Origin
 from .choose.select import Explanation, Verdict, select
 from .contract.backend import ENTRY_POINT_GROUP, Backend, hookimpl
 from .contract.call import API_VERSION, FEATURES, AttentionCall, Operands, bind
-from .contract.capabilities import DTYPES, PLATFORMS, Capabilities, HeadDims
+from .contract.capabilities import CLAIMABLE_DTYPES, DTYPES, PLATFORMS, Capabilities, HeadDims
 from .contract.environment import env_flag, platform_name
 from .contract.errors import (
     AttnBackendsError,
@@ -27,6 +27,7 @@ from .contract.errors import (
 
 __all__ = [
     "API_VERSION",
+    "CLAIMABLE_DTYPES",
     "DTYPES",
     "ENTRY_POINT_GROUP",
     "FEATURES",

@@ -40,7 +40,9 @@ What flax passes, and what becomes of it:
   flax masks the cache itself (``arange(max_len) <= index``), which arrives
   here as ``mask``.
 - ``dtype``: query, key and value are promoted to it (or to their common
-  dtype), as flax does; the output has that dtype.
+  dtype), as flax does; the output has that dtype. Under ``jax_enable_x64``
+  float64 modules run in float64 on a backend that claims it (reference,
+  xla_native); complex dtypes are refused (softmax needs real logits).
 - ``precision`` is not forwarded to backends: each fixes its own matmul
   precision (softmax is float32 in every backend), as flax's own
   ``jax.nn.dot_product_attention`` path ignores it too; the dense path below
@@ -251,6 +253,7 @@ class FlaxAttention:
         else:
             target = dtype if dtype is not None else jnp.result_type(query, key, value)
             query, key, value = (jnp.asarray(x, target) for x in (query, key, value))
+        _refuse_complex(query.dtype)
         batch = _batch_dims(query, key, value)
         tq, hq = query.shape[-3], query.shape[-2]
         tk = key.shape[-3]
@@ -364,6 +367,18 @@ def _refuse_unsupported(qk_einsum: Any, value_einsum: Any) -> None:
             "attn_backends.flax: qk_attn_weights_einsum / attn_weights_value_einsum (quantized "
             "einsums) replace the matmuls inside attention, but the backend runs its own kernel. "
             "Leave them unset, or keep flax's own dot_product_attention for this module."
+        )
+
+
+def _refuse_complex(dtype: Any) -> None:
+    """flax's attention takes complex inputs; softmax attention over them is not defined."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise ValueError(
+            f"attn_backends.flax: query, key and value are {jnp.dtype(dtype).name}, and no "
+            "registry backend computes complex attention: its softmax needs real logits (a "
+            "maximum and exp of real numbers), which the contract defines only for float "
+            "dtypes. Use real dtypes (float32, bfloat16, float16; float64 under "
+            "jax_enable_x64), or keep flax's own dot_product_attention for a complex model."
         )
 
 

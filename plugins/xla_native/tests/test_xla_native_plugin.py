@@ -36,7 +36,7 @@ def test_manifest() -> None:
     assert XlaNativeBackend.version == version("attn-backend-xla-native")
     assert XlaNativeBackend.api_version == 1
     assert caps.platforms == {"cpu", "gpu", "tpu"}
-    assert caps.dtypes == {"float32", "bfloat16", "float16"}
+    assert caps.dtypes == {"float32", "bfloat16", "float16", "float64"}
     assert caps.features == frozenset(attn_backends.FEATURES)
     assert caps.differentiable and caps.bias_grad and caps.partitionable and caps.deterministic
     assert caps.jax_versions == ">=0.10,<0.13"

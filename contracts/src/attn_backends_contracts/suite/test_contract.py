@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attn_backends_contracts._inputs import x64_for
 from attn_backends_contracts._runner import bound, compiled, oracle, split_kwargs
 from attn_backends_contracts._session import family
 from attn_backends_contracts.cases import make_inputs, single_case
@@ -61,30 +62,31 @@ def test_unclaimed_raises(attn_suite: Any, attn_unclaimed: tuple[str, str]) -> N
         return
     # Through the registry only: core refuses an unclaimed feature before the
     # backend's attend runs (docs/DESIGN.md, section 4), so backends keep no
-    # copy of that rule.
-    with pytest.raises(attn_backends.UnsupportedError):
+    # copy of that rule. An unclaimed float64 is float64 only under x64.
+    with x64_for(case.dtype), pytest.raises(attn_backends.UnsupportedError):
         jax.eval_shape(f, q, k, v, bias, arrays)
 
 
 @family("output_dtype")
 def test_output_dtype(attn_suite: Any, attn_dtype: str) -> None:
-    """out has q's dtype and shape; lse is float32 ``[B, Hq, Tq]``."""
+    """out has q's dtype and shape; lse is float32 ``[B, Hq, Tq]`` (float64 for float64)."""
     caps = attn_suite.caps
     case = single_case(caps, "output_dtype", attn_dtype, dtype=attn_dtype,
                        return_lse=caps.return_lse)
     data = make_inputs(case)
     _, arrays, bias = split_kwargs(data["kwargs"])
-    result = jax.eval_shape(bound(attn_suite.attention, case, data),
-                            data["q"], data["k"], data["v"], bias, arrays)
+    with x64_for(attn_dtype):
+        result = jax.eval_shape(bound(attn_suite.attention, case, data),
+                                data["q"], data["k"], data["v"], bias, arrays)
     out = result[0] if case.return_lse else result
     b, tq, hq, dv = case.batch, case.q_len, case.q_heads, case.v_head_dim
     assert (out.dtype, out.shape) == (jnp.dtype(attn_dtype), (b, tq, hq, dv)), (
         f"out: expected {attn_dtype} {(b, tq, hq, dv)}, got {out.dtype} {out.shape}"
     )
     if case.return_lse:
-        lse = result[1]
-        assert (lse.dtype, lse.shape) == (jnp.dtype("float32"), (b, hq, tq)), (
-            f"lse: expected float32 {(b, hq, tq)}, got {lse.dtype} {lse.shape}"
+        lse, want = result[1], "float64" if attn_dtype == "float64" else "float32"
+        assert (lse.dtype, lse.shape) == (jnp.dtype(want), (b, hq, tq)), (
+            f"lse: expected {want} {(b, hq, tq)}, got {lse.dtype} {lse.shape}"
         )
 
 

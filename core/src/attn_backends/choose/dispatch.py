@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, Operands
-from ..contract.environment import LOWERING_NAMES, platform_name, visible_platforms
+from ..contract.environment import lowering_names, platform_name, visible_platforms
 from ..contract.errors import PlatformUnavailableError, UnsupportedError
 
 
@@ -81,7 +81,7 @@ def on_platforms(
     placeholder: Callable[..., Any],
     *args: Any,
 ) -> Any:
-    """``branches[p](*args)`` when lowered for platform ``p`` (cpu, gpu or tpu).
+    """``branches[p](*args)`` when lowered for platform ``p`` (cpu, gpu, tpu or a plugin's).
 
     Lowering for a platform without a branch raises PlatformUnavailableError.
     ``placeholder(*args)`` returns arrays typed as every branch's result (it
@@ -93,7 +93,7 @@ def on_platforms(
         unavailable_p = _unavailable()
         return jax.tree.map(lambda x: unavailable_p.bind(x, selected=selected), placeholder(*args))
 
-    by_lowering = {name: fn for p, fn in branches.items() for name in LOWERING_NAMES[p]}
+    by_lowering = {name: fn for p, fn in branches.items() for name in lowering_names(p)}
     return jax.lax.platform_dependent(*args, default=unavailable, **by_lowering)
 
 
@@ -265,10 +265,11 @@ def lengths_in_range(call: AttentionCall, operands: Operands) -> Operands:
 def empty_result(call: AttentionCall, q: Any) -> Any:
     """The defined result of a call with B, Tq or Tk equal to 0: zeros, lse -inf.
 
-    out ``[B, Tq, Hq, Dv]`` zeros in q's dtype; lse ``[B, Hq, Tq]`` of -inf.
+    out ``[B, Tq, Hq, Dv]`` zeros in q's dtype; lse ``[B, Hq, Tq]`` of -inf
+    (``call.accumulation_dtype``).
     """
     out = jnp.zeros((call.batch, call.q_len, call.q_heads, call.v_head_dim), q.dtype)
     if call.return_lse:
-        lse = jnp.full((call.batch, call.q_heads, call.q_len), -jnp.inf, jnp.float32)
+        lse = jnp.full((call.batch, call.q_heads, call.q_len), -jnp.inf, call.accumulation_dtype)
         return out, lse
     return out

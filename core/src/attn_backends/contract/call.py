@@ -31,7 +31,11 @@ FEATURES = (
     "return_lse",
     "dropout",
 )
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+#: The dtypes every backend claims unless its manifest says otherwise.
+DTYPES = frozenset({"float32", "bfloat16", "float16"})
+#: Dtypes a call may have only under ``jax_enable_x64`` (without it JAX would
+#: compute them in float32); a backend serves them only if its manifest claims them.
+WIDE_DTYPES = frozenset({"float64"})
 _BHTD_HINT = (
     "for [B, H, T, D] arrays get the attention with registry.get(layout='BHTD') "
     "(or transpose them with x.transpose(0, 2, 1, 3))."
@@ -84,6 +88,12 @@ class AttentionCall:
     def group(self) -> int:
         """Query heads per kv head: query head h reads kv head ``h // group``."""
         return self.q_heads // self.kv_heads
+
+    @property
+    def accumulation_dtype(self) -> str:
+        """The dtype of softmax, accumulation and lse: float32, or float64 for a
+        float64 call (x64). Added within api_version 1."""
+        return "float64" if self.dtype in WIDE_DTYPES else "float32"
 
     @property
     def offset(self) -> int:
@@ -155,6 +165,39 @@ def _dtype_name(x: Any) -> str:
     return np.dtype(x.dtype).name
 
 
+def bindable(dtype: str) -> bool:
+    """Whether a call in ``dtype`` binds here: one of :data:`DTYPES`, or one of
+    :data:`WIDE_DTYPES` while JAX keeps it (``jax_enable_x64``)."""
+    if dtype in DTYPES:
+        return True
+    if dtype not in WIDE_DTYPES:
+        return False
+    import jax
+
+    # Under x64 JAX keeps float64; without it every jnp op would quietly
+    # compute float32 (only a NumPy array or ShapeDtypeStruct arrives so).
+    return bool(jax.dtypes.canonicalize_dtype(np.dtype(dtype)) == np.dtype(dtype))
+
+
+def _check_float(name: str, dt: str) -> None:
+    """Raise unless ``dt`` is a dtype the contract computes attention in."""
+    if bindable(dt):
+        return
+    if dt in WIDE_DTYPES:
+        raise ValueError(
+            f"{name}: dtype {dt} needs jax_enable_x64 (without it JAX computes in float32); "
+            "enable it (jax.config.update('jax_enable_x64', True)) or cast to float32"
+        )
+    why = ""
+    if np.issubdtype(np.dtype(dt), np.complexfloating):
+        why = (" Attention's softmax is defined for real logits only (a maximum and exp of "
+               "real numbers); a complex model needs its own attention.")
+    raise ValueError(
+        f"{name}: expected dtype float32, bfloat16 or float16 (float64 under "
+        f"jax_enable_x64), got {dt}.{why}"
+    )
+
+
 def _require_array(name: str, x: Any) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(
@@ -177,11 +220,7 @@ def _check_qkv(q: Any, k: Any, v: Any) -> None:
             )
     dtypes = {n: _dtype_name(x) for n, x in (("q", q), ("k", k), ("v", v))}
     for name, dt in dtypes.items():
-        if dt not in _FLOAT_DTYPES:
-            hint = " Cast to float32 first." if dt == "float64" else ""
-            raise ValueError(
-                f"{name}: expected dtype float32, bfloat16 or float16, got {dt}.{hint}"
-            )
+        _check_float(name, dt)
     if len(set(dtypes.values())) > 1:
         raise ValueError(
             f"q, k, v: expected one dtype, got q={dtypes['q']}, k={dtypes['k']}, "
@@ -403,10 +442,7 @@ def bind(
     if bias is not None:
         bias_shape = _check_pairwise("bias", bias, b, hq, hkv, tq, tk)
         bias_dtype = _dtype_name(bias)
-        if bias_dtype not in _FLOAT_DTYPES:
-            raise ValueError(
-                f"bias: expected dtype float32, bfloat16 or float16, got {bias_dtype}"
-            )
+        _check_float("bias", bias_dtype)
     call = AttentionCall(
         batch=b,
         q_len=tq,

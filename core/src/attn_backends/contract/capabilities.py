@@ -7,10 +7,12 @@ import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 
-from .call import FEATURES, AttentionCall
+from .call import DTYPES, FEATURES, WIDE_DTYPES, AttentionCall
+from .environment import PLATFORMS, check_platform
 
-PLATFORMS = frozenset({"cpu", "gpu", "tpu"})
-DTYPES = frozenset({"float32", "bfloat16", "float16"})
+#: Every dtype a manifest may claim: :data:`DTYPES` (the default claim) and
+#: float64, claimed explicitly by a backend that computes in it (x64 only).
+CLAIMABLE_DTYPES = DTYPES | WIDE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -88,15 +90,17 @@ class Capabilities:
     def __post_init__(self) -> None:
         object.__setattr__(self, "platforms", frozenset(self.platforms))
         object.__setattr__(self, "dtypes", frozenset(self.dtypes))
-        if not self.platforms or not self.platforms <= PLATFORMS:
+        if not self.platforms:
             raise ValueError(
-                f"Capabilities: platforms={sorted(self.platforms)} must be a non-empty "
-                f"subset of {sorted(PLATFORMS)}"
+                f"Capabilities: platforms is empty; name at least one of {sorted(PLATFORMS)} "
+                "or a JAX PJRT plugin's platform (e.g. 'neuron')"
             )
-        if not self.dtypes or not self.dtypes <= DTYPES:
+        for platform in sorted(self.platforms, key=str):
+            check_platform(platform, "Capabilities: platforms")
+        if not self.dtypes or not self.dtypes <= CLAIMABLE_DTYPES:
             raise ValueError(
                 f"Capabilities: dtypes={sorted(self.dtypes)} must be a non-empty "
-                f"subset of {sorted(DTYPES)}"
+                f"subset of {sorted(CLAIMABLE_DTYPES)}"
             )
         if self.bias_grad and not self.bias:
             raise ValueError("Capabilities: bias_grad=True needs bias=True")

@@ -6,51 +6,96 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .capabilities import PLATFORMS
+from .errors import PlatformUnavailableError
 
 T = TypeVar("T")
 
-#: Platform names as JAX spells them -> the contract's names (cpu, gpu, tpu).
+#: The platforms core knows by name, JAX's own. A manifest may name any other
+#: (:func:`check_platform`); tolerance rows exist for these three, and another
+#: platform gets the default rows.
+PLATFORMS = frozenset({"cpu", "gpu", "tpu"})
+#: Platform names as JAX spells them -> the contract's names: the one place
+#: names are normalised. A name not here is its own contract name ("cpu",
+#: "tpu", a PJRT plugin's "neuron").
 _ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 #: The contract's platform names -> the lowering platforms JAX names them by
-#: (``jax.export(platforms=...)``, ``jax.lax.platform_dependent``).
+#: (``jax.export(platforms=...)``, ``jax.lax.platform_dependent``); a platform
+#: not here lowers by its own name (:func:`lowering_names`).
 LOWERING_NAMES = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
+#: A platform name: a lowercase identifier, as JAX and PJRT plugins name platforms.
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+_WHAT_NAMES = (
+    "a platform is cpu, gpu, tpu or the name a JAX PJRT plugin reports (e.g. 'neuron'): "
+    "a lowercase identifier"
+)
 
 
 def platform_name(name: str) -> str:
     """The contract's name for a platform JAX calls ``name``: "cuda" and "rocm"
-    are "gpu"; "cpu", "gpu" and "tpu" are themselves (case-insensitive)."""
+    are "gpu"; any other name is itself (case-insensitive)."""
     name = name.lower()
     return _ALIASES.get(name, name)
 
 
+def lowering_names(platform: str) -> tuple[str, ...]:
+    """The lowering platforms JAX names the contract's ``platform`` by."""
+    return LOWERING_NAMES.get(platform, (platform,))
+
+
+def check_platform(name: Any, what: str) -> str:
+    """``name`` if it is a contract platform name, else ValueError starting with ``what``.
+
+    Valid: a lowercase identifier (``[a-z][a-z0-9_]*``) that is not one of
+    JAX's aliases ("cuda", "rocm": the contract says "gpu") and not a near
+    miss of cpu, gpu or tpu ("gpuu", "cpus": typos, not plugins). Any other
+    such name is a platform a PJRT plugin may report.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"{what}: {name!r} is not a platform name; {_WHAT_NAMES}")
+    if name in _ALIASES:
+        raise ValueError(
+            f"{what}: {name!r} is JAX's name for the contract's {_ALIASES[name]!r}; "
+            f"write {_ALIASES[name]!r}"
+        )
+    if name not in PLATFORMS:
+        import difflib
+
+        close = difflib.get_close_matches(name, sorted(PLATFORMS), n=1, cutoff=0.8)
+        if close:
+            raise ValueError(
+                f"{what}: {name!r} is not a platform name; did you mean {close[0]!r}? "
+                f"({_WHAT_NAMES})"
+            )
+    return name
+
+
 @functools.cache
 def visible_platforms() -> tuple[str, ...]:
-    """Platforms (of cpu, gpu, tpu) that JAX has devices for on this machine."""
-    import jax
+    """The platforms JAX has a backend for in this process, by the contract's
+    names, sorted: cpu, gpu, tpu and any a PJRT plugin adds.
 
-    seen = []
-    for platform in sorted(PLATFORMS):
-        try:
-            if jax.devices(platform):
-                seen.append(platform)
-        except RuntimeError:
-            # jax.devices raises RuntimeError for a platform with no backend:
-            # that is the answer "not visible", not an error to report.
-            continue
-    return tuple(seen)
+    Read from ``jax.extend.backend.backends()`` (JAX's table of initialised
+    backends, plugins' included), named through :func:`platform_name`.
+    """
+    from jax.extend import backend
+
+    return tuple(sorted({platform_name(name) for name in backend.backends()}))
 
 
 def resolve(device: Any) -> tuple[str, bool]:
-    """``device`` (None, "cpu"/"gpu"/"tpu"/"cuda", or a jax.Device) -> (platform, present).
+    """``device`` (None, a platform name such as "cpu", "gpu", "cuda" or a
+    plugin's "neuron", or a jax.Device) -> (platform, present).
 
-    ``present`` says whether JAX can run on that platform here; a platform that
-    is not present still selects (by manifest alone) for ``jax.export``.
+    ``present`` says whether JAX can run on that platform here; cpu, gpu and
+    tpu still select when absent (by manifest alone) for ``jax.export``.
+    Another platform JAX does not report raises PlatformUnavailableError: it
+    exists only through its plugin, which is not installed (or found no device).
     """
     import jax
 
@@ -58,13 +103,22 @@ def resolve(device: Any) -> tuple[str, bool]:
         return platform_name(jax.default_backend()), True
     if isinstance(device, jax.Device):
         return platform_name(device.platform), True
-    if isinstance(device, str):
-        platform = platform_name(device)
-        if platform in PLATFORMS:
-            return platform, platform in visible_platforms()
-    raise ValueError(
-        f"device: expected None, one of {sorted(PLATFORMS)} or a jax.Device, got {device!r}"
-    )
+    if not isinstance(device, str):
+        raise ValueError(
+            "device: expected None, a platform name (cpu, gpu, tpu, or a JAX plugin's "
+            f"such as 'neuron') or a jax.Device, got {device!r}"
+        )
+    platform = check_platform(platform_name(device), "device")
+    visible = visible_platforms()
+    if platform not in PLATFORMS and platform not in visible:
+        raise PlatformUnavailableError(
+            f"device={device!r}: JAX reports no {platform!r} platform here (JAX reports: "
+            f"{', '.join(visible) or 'none'}). A platform other than cpu, gpu and tpu comes "
+            f"from a JAX PJRT plugin: install the plugin package that provides {platform!r} "
+            f"(its vendor names it), then check that jax.devices({platform!r}) lists its "
+            "devices."
+        )
+    return platform, platform in visible
 
 
 def resolve_all(device: Any) -> tuple[tuple[str, bool], ...]:

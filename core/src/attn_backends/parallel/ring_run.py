@@ -84,6 +84,12 @@ def ring_plan(call: AttentionCall, layout: Layout) -> RingPlan:
                 "would have to split; use causal, segment_ids or kv_lengths, or do not shard "
                 "the sequence"
             )
+    if call.dtype not in _ITEMSIZE:
+        raise UnsupportedError(
+            f"{where} does not serve {call.dtype}: it merges the blocks' partial results in "
+            "float32, which would drop float64's precision; do not shard the sequence of a "
+            "float64 call (sharding the batch or heads keeps it)"
+        )
     local = dataclasses.replace(_local(call, layout), q_lengths=False, return_lse=True)
     if call.causal:
         if call.q_len != call.kv_len:

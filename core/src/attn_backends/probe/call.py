@@ -135,7 +135,8 @@ def inputs(call: AttentionCall, seed: int = 0) -> dict[str, Any]:
         "v": normal(b, tk, call.kv_heads, call.v_head_dim),
         "d_out": normal(b, tq, call.q_heads, call.v_head_dim),
         "d_lse": (
-            rng.normal(size=(b, call.q_heads, tq)).astype(np.float32) if call.return_lse else None
+            rng.normal(size=(b, call.q_heads, tq)).astype(call.accumulation_dtype)
+            if call.return_lse else None
         ),
     }
     ops: dict[str, Any] = {}

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..contract.backend import Backend
-from ..contract.call import AttentionCall, bind
+from ..contract.call import AttentionCall, bind, bindable
 from ..contract.environment import device_kind, env_setting, versions
 from . import call as _probe_call
 from . import certificates as _certificates
@@ -93,13 +93,14 @@ def sample_call(backend: Backend, dtype: str, features: frozenset[str]) -> Atten
 
 
 def probe_plan(backend: Backend) -> list[AttentionCall]:
-    """Calls `attn-backends probe` checks: each dtype with no feature, causal, and all claimed."""
+    """Calls `attn-backends probe` checks: each dtype with no feature, causal, and all
+    claimed; float64 only under ``jax_enable_x64`` (without it no call is float64)."""
     claimed = backend.capabilities.features
     sets = [frozenset(), frozenset({"causal"}) & claimed, claimed]
     unique = list(dict.fromkeys(sets))
     return [
         sample_call(backend, dtype, fs)
-        for dtype in sorted(backend.capabilities.dtypes)
+        for dtype in sorted(backend.capabilities.dtypes) if bindable(dtype)
         for fs in unique
     ]
 

@@ -29,7 +29,10 @@ number and means little for other magnitudes; callers that scale inputs
 on CPU, TensorFloat-32 (10 significant bits) on recent GPUs and one bfloat16
 pass (8 significant bits) on TPU (``jax.lax.Precision.DEFAULT``), so float32
 has one row per platform; bfloat16 and float16 round their inputs to fewer
-bits than that anyway and share one row.
+bits than that anyway and share one row, and so does float64 (x64), whose
+matmuls are float64 everywhere. A platform without rows of its own (a PJRT
+plugin's) gets :data:`DEFAULT_ROWS`: float32 as one bfloat16 pass, the
+least precise default the table knows.
 
 **Where the numbers come from.** The narrow dtypes follow the element-wise
 tolerances of the suites this field trusts:
@@ -67,6 +70,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "DEFAULT_ROWS",
     "GRADIENT_FINITE_ONLY_INPUTS",
     "OUTPUTS",
     "PLATFORMS",
@@ -81,7 +85,8 @@ __all__ = [
 #: Outputs a comparison can name: the output, lse, and each gradient.
 OUTPUTS = ("out", "lse", "dq", "dk", "dv", "dbias")
 
-#: Platforms :func:`tolerance` knows (those of ``Capabilities.platforms``).
+#: Platforms with rows of their own (core's :data:`attn_backends.PLATFORMS`);
+#: any other platform gets :data:`DEFAULT_ROWS`.
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
@@ -168,12 +173,36 @@ _F32_TF32 = {
     for name, t in _F16.items()
 }
 
+# float64 (x64; a backend claims it explicitly and computes in it): 53
+# significant bits, ulp 2.2e-16 at 1. 1e-10 is some 450,000 ulps of an order-1
+# value, room for any order of summing a few thousand terms, while one float32
+# step anywhere in the path (2**-24 = 6e-8 relative) misses it by ~600x: a
+# backend that claims float64 but computes in float32 fails (rounding only q to
+# float32 fails the suite's float64 row by 89x-532x). Measured on cpu over that
+# row (attn-backends check): reference reaches at most 9.5e-6 of it, xla_native
+# 1.1e-5 (its tiles twins included).
+# Every platform's float64 matmul is float64 (no reduced default precision).
+_F64_WHY = "float64: ~450,000 ulps; any float32 step misses it by ~600x"
+_F64 = {
+    "out": Tolerance(1e-10, 1e-10, _F64_WHY),
+    "lse": Tolerance(1e-10, 1e-10, _F64_WHY),
+    "dq": Tolerance(2.5e-10, 2.5e-10, _F64_WHY + "; sums with cancellation, as float32"),
+    "dk": Tolerance(2.5e-10, 2.5e-10, _F64_WHY + "; sums with cancellation, as float32"),
+    "dv": Tolerance(1e-10, 1e-10, _F64_WHY),
+    "dbias": Tolerance(2.5e-10, 2.5e-10, _F64_WHY + "; sums with cancellation, as float32"),
+}
+
 #: ``TOLERANCES[platform][dtype][output]``: the whole table, documented above.
 TOLERANCES: dict[str, dict[str, dict[str, Tolerance]]] = {
-    "cpu": {"float32": _F32_EXACT, "bfloat16": _BF16, "float16": _F16},
-    "gpu": {"float32": _F32_TF32, "bfloat16": _BF16, "float16": _F16},
-    "tpu": {"float32": _F32_BF16_PASS, "bfloat16": _BF16, "float16": _F16},
+    "cpu": {"float32": _F32_EXACT, "bfloat16": _BF16, "float16": _F16, "float64": _F64},
+    "gpu": {"float32": _F32_TF32, "bfloat16": _BF16, "float16": _F16, "float64": _F64},
+    "tpu": {"float32": _F32_BF16_PASS, "bfloat16": _BF16, "float16": _F16, "float64": _F64},
 }
+#: The rows of a platform the table does not name (a PJRT plugin's): float32
+#: as the least precise default matmul the table knows (one bfloat16 pass), so
+#: a new accelerator is judged by what any of them may do until its own row is
+#: written here; the other dtypes as everywhere.
+DEFAULT_ROWS: dict[str, dict[str, Tolerance]] = {**TOLERANCES["tpu"]}
 
 #: Case inputs whose *gradients* are compared for finiteness only.
 #:
@@ -192,17 +221,21 @@ GRADIENT_FINITE_ONLY_INPUTS = frozenset({"large"})
 def tolerance(dtype: str, output: str, *, platform: str) -> Tolerance:
     """The tolerance for ``output`` of a call in ``dtype`` run on ``platform``.
 
-    ``dtype``: "float32", "bfloat16" or "float16" (the dtype of q, k, v);
-    ``output``: one of :data:`OUTPUTS`; ``platform``: one of :data:`PLATFORMS`
-    (the platform the backend ran on: its default matmul precision decides
-    float32's row). Raises ``ValueError`` naming the argument otherwise.
+    ``dtype``: "float32", "bfloat16", "float16" or "float64" (the dtype of q,
+    k, v); ``output``: one of :data:`OUTPUTS`; ``platform``: a contract
+    platform name (the platform the backend ran on: its default matmul
+    precision decides float32's row); one of :data:`PLATFORMS` has its own
+    rows, any other :data:`DEFAULT_ROWS`. Raises ``ValueError`` naming the
+    argument otherwise.
     """
-    for arg, value, known in (("platform", platform, PLATFORMS),
-                              ("dtype", dtype, tuple(TOLERANCES["cpu"])),
+    from ..contract.environment import check_platform
+
+    check_platform(platform, "tolerance(): platform")
+    for arg, value, known in (("dtype", dtype, tuple(DEFAULT_ROWS)),
                               ("output", output, OUTPUTS)):
         if value not in known:
             raise ValueError(f"tolerance(): {arg} must be one of {known}, got {value!r}")
-    return TOLERANCES[platform][dtype][output]
+    return TOLERANCES.get(platform, DEFAULT_ROWS)[dtype][output]
 
 
 def normalised_error(

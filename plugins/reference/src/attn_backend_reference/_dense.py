@@ -1,4 +1,5 @@
-"""Dense attention: materialise every logit in float32, mask, softmax, done."""
+"""Dense attention: materialise every logit in float32 (float64 for a float64 call),
+mask, softmax, done."""
 
 from __future__ import annotations
 
@@ -46,17 +47,18 @@ def dense_attention(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands) 
     that of the undropped logits."""
     b, tq, hq, d = q.shape
     hkv, group = call.kv_heads, call.group
+    wide = jnp.dtype(call.accumulation_dtype)
     # Group query heads by the kv head they read (h = kv_head * group + g), so
     # K and V are never repeated.
-    qg = q.astype(jnp.float32).reshape(b, tq, hkv, group, d)
+    qg = q.astype(wide).reshape(b, tq, hkv, group, d)
     logits = jnp.einsum(
-        "bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32), precision=_HIGHEST
+        "bqkgd,bskd->bkgqs", qg, k.astype(wide), precision=_HIGHEST
     ).reshape(b, hq, tq, call.kv_len)
     logits = logits * call.scale
     if call.softcap is not None:
         logits = call.softcap * jnp.tanh(logits / call.softcap)
     if ops.bias is not None:
-        logits = logits + ops.bias.astype(jnp.float32)
+        logits = logits + ops.bias.astype(wide)
     vis = jnp.broadcast_to(visible(call, ops), logits.shape)
     any_visible = vis.any(axis=-1, keepdims=True)
     row_max = jnp.max(jnp.where(vis, logits, -jnp.inf), axis=-1, keepdims=True)
@@ -75,7 +77,7 @@ def dense_attention(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands) 
     out = jnp.einsum(
         "bkgqs,bskd->bqkgd",
         probs.reshape(b, hkv, group, tq, call.kv_len),
-        v.astype(jnp.float32),
+        v.astype(wide),
         precision=_HIGHEST,
     ).reshape(b, tq, hq, call.v_head_dim)
     out = out.astype(q.dtype)

@@ -4,18 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from attn_backends import FEATURES, PLATFORMS, AttentionCall, Backend, Operands, hookimpl
+from attn_backends import (
+    CLAIMABLE_DTYPES,
+    FEATURES,
+    PLATFORMS,
+    AttentionCall,
+    Backend,
+    Operands,
+    hookimpl,
+)
 from attn_backends.authoring import distribution_version, dropout_keep, manifest
 
 
 class ReferenceBackend(Backend):
-    """Dense attention in float32: every feature, every platform, lowest priority."""
+    """Dense attention in float32 (float64 for float64 calls): every feature, every
+    platform, lowest priority."""
 
     name = "reference"
     version = distribution_version("attn-backend-reference")
-    # Every feature on every platform, any dtype and head dim, with every gradient.
-    capabilities = manifest(platforms=PLATFORMS, features=FEATURES, bias_grad=True,
-                            differentiable=True, partitionable=True, jax_versions=">=0.10")
+    # Every feature on every platform, every dtype (float64 included: it computes
+    # in call.accumulation_dtype) and head dim, with every gradient.
+    capabilities = manifest(platforms=PLATFORMS, features=FEATURES, dtypes=CLAIMABLE_DTYPES,
+                            bias_grad=True, differentiable=True, partitionable=True,
+                            jax_versions=">=0.10")
     priority = {"cpu": 0, "gpu": 0, "tpu": 0}
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,

@@ -55,7 +55,7 @@ def xla_native_backward(
     dtype = q.dtype
     # float16 tops out at 65504, which logit gradients pass under loss
     # scaling even when dq and dk fit: its products stay float32.
-    ds_dtype = jnp.float32 if dtype == jnp.float16 else dtype
+    ds_dtype = plan.acc if dtype == jnp.float16 else dtype
     # The pass works on transposed tiles [block_kv, rows] so that all five
     # matmuls are NN; dQ is accumulated transposed, [n_q, B, Hkv, D, rows].
     # q and d_out are transposed per tile rather than copied whole: two
@@ -97,7 +97,8 @@ def xla_native_backward(
                 ds_t = jnp.where(vis_t, ds_t, 0.0)
             if dbias is not None:
                 tile = _bias_tile_grad(plan, ds_t.swapaxes(-1, -2), dbias.shape)
-                start = (0, 0, 0, qi * plan.block_q, kj * plan.block_kv)
+                zero = jnp.int32(0)  # one index type with qi and kj, x64 or not
+                start = (zero, zero, zero, qi * plan.block_q, kj * plan.block_kv)
                 dbias = lax.dynamic_update_slice(dbias, tile, start)
             if capped_t is not None:
                 ds_t = ds_t * (1.0 - capped_t * capped_t)
@@ -109,8 +110,8 @@ def xla_native_backward(
 
         dq_t, dbias = carry
         inner = (
-            jnp.zeros(k_tile.shape, jnp.float32),
-            jnp.zeros(v_tile.shape, jnp.float32),
+            jnp.zeros(k_tile.shape, plan.acc),
+            jnp.zeros(v_tile.shape, plan.acc),
             dq_t,
             dbias,
         )
@@ -118,11 +119,11 @@ def xla_native_backward(
         dk, dv, dq_t, dbias = visit(bounds, body, inner, has_positional_mask(plan, masks))
         return (dq_t, dbias), (dk, dv)
 
-    dq_t = jnp.zeros(q.swapaxes(-1, -2).shape, jnp.float32)
+    dq_t = jnp.zeros(q.swapaxes(-1, -2).shape, plan.acc)
     dbias = None
     if bias_grad and bias is not None:
-        dbias = jnp.zeros(bias.shape, jnp.float32)
+        dbias = jnp.zeros(bias.shape, plan.acc)
     kv_index = jnp.arange(plan.n_kv, dtype=jnp.int32)
     (dq_t, dbias), (dk, dv) = lax.scan(one_key_block, (dq_t, dbias), (kv_index, k_t))
-    scale = jnp.float32(plan.scale)
+    scale = plan.acc(plan.scale)
     return dq_t.swapaxes(-1, -2) * scale, dk * scale, dv, dbias

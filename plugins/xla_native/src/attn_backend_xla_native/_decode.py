@@ -73,7 +73,8 @@ def _dot(a: Array, b: Array, contract: tuple[int, int], batch: Any = _BATCH) -> 
     blockwise kernel does), accumulated in float32."""
     dims = ((contract[:1], contract[1:]), batch)
     a = a.astype(b.dtype)
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    wide = jnp.promote_types(b.dtype, jnp.float32)  # float64 stays float64
+    return lax.dot_general(a, b, dims, preferred_element_type=wide)
 
 
 def _rows_dot(x: Array, rows: Array) -> Array:
@@ -129,13 +130,13 @@ def _logits(plan: DecodePlan, q_r: Array, k_c: Array, bias_c: Array | None) -> t
     """Logits ``[B, n, C, Hkv, G, Tq]`` float32 from q ``[B, Hkv, G, Tq, D]``
     and a chunked cache ``[B, n, C, Hkv, D]``; also the softcap's tanh (for
     its derivative), or None."""
-    s = _rows_dot(k_c, q_r) * jnp.float32(plan.scale)
+    s = _rows_dot(k_c, q_r) * plan.acc(plan.scale)
     capped = None
     if plan.softcap is not None:
-        capped = jnp.tanh(s * jnp.float32(1.0 / plan.softcap))
-        s = capped * jnp.float32(plan.softcap)
+        capped = jnp.tanh(s * plan.acc(1.0 / plan.softcap))
+        s = capped * plan.acc(plan.softcap)
     if bias_c is not None:
-        s = s + bias_c.astype(jnp.float32)
+        s = s + bias_c.astype(plan.acc)
     return s, capped
 
 
@@ -222,7 +223,7 @@ def _backward_prefix(
     if capped is not None:
         ds = ds * (1.0 - capped * capped)
     dq = _keys_dot(ds, k_c, per_chunk=False)
-    dk = _rows_sum(ds, q_r) * jnp.float32(plan.scale)
+    dk = _rows_sum(ds, q_r) * plan.acc(plan.scale)
     return dq, _pad_keys(dk, plan.kv_len), _pad_keys(dv, plan.kv_len), dbias
 
 
@@ -258,7 +259,7 @@ def xla_native_backward_decode(
     fn = partial(_backward_prefix, plan)
     q_r = q_rows(plan, q)
     dq, dk, dv, dbias = _by_prefix(plan, ops, fn, q_r, k, v, bias, ops, lse, d_out, delta)
-    return q_unrows(dq * jnp.float32(plan.scale)), dk, dv, dbias
+    return q_unrows(dq * plan.acc(plan.scale)), dk, dv, dbias
 
 
 # Jitted under fixed names: the names appear in the lowered program as called
@@ -287,7 +288,7 @@ def _attention_bwd(plan: DecodePlan, residuals: tuple, cotangents: tuple) -> tup
     q, k, v, bias, ops, out, lse = residuals
     d_out, d_lse = cotangents
     d_out = q_rows(plan, d_out.astype(q.dtype))
-    d_lse = d_lse.astype(jnp.float32).reshape(lse.shape)
+    d_lse = d_lse.astype(plan.acc).reshape(lse.shape)
     delta = jnp.sum(widen(d_out) * out, axis=-1) - d_lse
     dq, dk, dv, dbias = _backward_jit(plan, q, k, v, bias, ops, lse, d_out, delta)
     return (

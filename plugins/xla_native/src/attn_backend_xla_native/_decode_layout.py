@@ -65,6 +65,11 @@ class DecodePlan:
         )
 
     @property
+    def acc(self) -> Any:
+        """Softmax and accumulation dtype: float32, float64 for a float64 call (x64)."""
+        return jnp.float64 if self.dtype == "float64" else jnp.float32
+
+    @property
     def offset(self) -> int:
         return self.kv_len - self.q_len
 
@@ -95,11 +100,11 @@ class DecodePlan:
 
 
 def widen(x: Array) -> Array:
-    """float32 copy of a narrow tile, elementwise, so XLA fuses it into the
+    """float32 copy of a narrow tile (float64 stays float64), elementwise, so XLA fuses it into the
     tile's consumer: no widened copy of the cache is made. (Widening
     bfloat16 by shifting its bits, which vectorises in isolation, ran 4x
     slower inside the fused product on cpu than a plain convert.)"""
-    return x.astype(jnp.float32)
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def q_rows(plan: DecodePlan, q: Array) -> Array:

@@ -95,9 +95,9 @@ def xla_native_forward(
             return _step(s, vis, carry, v_tile, dropped)
 
         carry = (
-            jnp.full(lead, -jnp.inf, jnp.float32),
-            jnp.zeros(lead, jnp.float32),
-            jnp.zeros((*lead, v.shape[-1]), jnp.float32),
+            jnp.full(lead, -jnp.inf, plan.acc),
+            jnp.zeros(lead, plan.acc),
+            jnp.zeros((*lead, v.shape[-1]), plan.acc),
         )
         bounds = kv_blocks_for(plan, masks, qi)
         m, row_sum, acc = visit(bounds, body, carry, has_positional_mask(plan, masks))
@@ -113,6 +113,8 @@ def xla_native_forward(
     zeros = jnp.zeros_like(q[..., :1])
     results = (
         jnp.broadcast_to(zeros, (*q.shape[:3], v.shape[-1])),
-        zeros[..., 0].transpose(0, 2, 1).astype(jnp.float32),
+        zeros[..., 0].transpose(0, 2, 1).astype(plan.acc),
     )
-    return lax.fori_loop(0, plan.n_q, one_query_block, results)
+    # int32 bounds: block indices stay int32 under x64 too (dynamic_slice
+    # needs one index type, and the key block indices are int32).
+    return lax.fori_loop(jnp.int32(0), jnp.int32(plan.n_q), one_query_block, results)

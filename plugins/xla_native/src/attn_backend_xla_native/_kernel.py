@@ -111,12 +111,12 @@ def _attention_fwd(
 
 def _fold_scale(plan: Plan) -> tuple[Plan, float]:
     """Scale q once instead of every logits tile, where that is exact enough:
-    in float32, or for a power-of-two scale of at most 1 (exact in any float
+    in float32 or float64, or for a power-of-two scale of at most 1 (exact in any float
     format, and it cannot overflow a narrow q the way a scale of 4 can).
     Returns the plan to run with (scale 1 when folded) and the factor to
     apply to q (1 when not folded)."""
     exact = math.frexp(plan.scale)[0] == 0.5 and abs(plan.scale) <= 1.0
-    if plan.dtype != "float32" and not exact:
+    if plan.dtype not in ("float32", "float64") and not exact:
         return plan, 1.0
     return replace(plan, scale=1.0), plan.scale
 
@@ -130,8 +130,8 @@ def _attention_bwd(_forward_plan: Plan, plan: Plan, residuals: tuple, cotangents
     q_b = q_to_blocks(plan, (q * jnp.asarray(q_scale, q.dtype)).astype(q.dtype))
     d_out = d_out.astype(q.dtype)
     do_b = q_to_blocks(plan, d_out)
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    delta = rows_to_blocks(plan, delta.transpose(0, 2, 1) - d_lse.astype(jnp.float32))
+    delta = jnp.sum(d_out.astype(plan.acc) * out.astype(plan.acc), axis=-1)
+    delta = rows_to_blocks(plan, delta.transpose(0, 2, 1) - d_lse.astype(plan.acc))
     # +inf lse zeroes the probabilities (and so every gradient) of rows that
     # see no key and of padding rows, whatever their logits are.
     lse_b = rows_to_blocks(plan, lse)
@@ -146,7 +146,7 @@ def _attention_bwd(_forward_plan: Plan, plan: Plan, residuals: tuple, cotangents
         folded, q_b, k_t, v_p, bias_p, masks, do_b, lse_b, delta, bias_p is not None, seed
     )
     grads = (
-        q_from_blocks(plan, dq * jnp.float32(q_scale)).astype(q.dtype),
+        q_from_blocks(plan, dq * plan.acc(q_scale)).astype(q.dtype),
         kv_from_blocks(plan, dk).astype(k.dtype),
         kv_from_blocks(plan, dv).astype(v.dtype),
         None if dbias is None else pairwise_from_padded(plan, dbias).astype(bias.dtype),

@@ -91,6 +91,11 @@ class Plan:
         )
 
     @property
+    def acc(self) -> Any:
+        """Softmax and accumulation dtype: float32, float64 for a float64 call (x64)."""
+        return jnp.float64 if self.dtype == "float64" else jnp.float32
+
+    @property
     def n_q(self) -> int:
         return -(-self.q_len // self.block_q)
 
@@ -228,8 +233,9 @@ def pairwise_from_padded(plan: Plan, x: Array) -> Array:
 def pairwise_block(plan: Plan, x: Array, qi: Array, kj: Array) -> Array:
     """The ``(qi, kj)`` tile of a padded pairwise array: ``[B|1, Hkv|1, rows, block_kv]``."""
     bq, bk = plan.block_q, plan.block_kv
+    zero = jnp.int32(0)  # one index type with the int32 block indices, x64 or not
     tile = lax.dynamic_slice(
-        x, (0, 0, 0, qi * bq, kj * bk), (x.shape[0], x.shape[1], x.shape[2], bq, bk)
+        x, (zero, zero, zero, qi * bq, kj * bk), (x.shape[0], x.shape[1], x.shape[2], bq, bk)
     )
     tile = jnp.broadcast_to(tile, (*tile.shape[:2], plan.group, bq, bk))
     return tile.reshape(tile.shape[0], tile.shape[1], plan.rows, bk)

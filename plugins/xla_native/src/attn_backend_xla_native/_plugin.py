@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import attn_backends
-from attn_backends import FEATURES, PLATFORMS, AttentionCall, Backend, Operands
+from attn_backends import CLAIMABLE_DTYPES, FEATURES, PLATFORMS, AttentionCall, Backend, Operands
 from attn_backends.authoring import (
     distribution_version,
     dropout_keep,
@@ -33,6 +33,8 @@ class XlaNativeBackend(Backend):
     api_version = 1
     capabilities = manifest(
         platforms=PLATFORMS, features=FEATURES, jax_versions=">=0.10,<0.13",
+        # float64 too: every softmax and accumulation runs in call.accumulation_dtype.
+        dtypes=CLAIMABLE_DTYPES,
         bias_grad=True, differentiable=True, deterministic=True, partitionable=True,
         interpret=False,
     )

@@ -1,6 +1,6 @@
 """One tile of logits and the batched matmuls the kernel is made of.
 
-Matmuls run in the input dtype with float32 accumulation
+Matmuls run in the input dtype with float32 accumulation (float64 for float64)
 (``preferred_element_type``), batched over ``(B, Hkv)``, and are all plain
 NN products: XLA's CPU matmul is about twice as slow with a transposed
 left operand.
@@ -19,8 +19,13 @@ Array = Any
 _BATCH = ((0, 1), (0, 1))
 
 
+def _wide(a: Array, b: Array) -> Any:
+    """float32, or float64 when an operand is float64 (a float64 call, x64)."""
+    return jnp.promote_types(jnp.result_type(a, b), jnp.float32)
+
+
 def _dot(a: Array, b: Array) -> Array:
-    return lax.dot_general(a, b, (((3,), (2,)), _BATCH), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((3,), (2,)), _BATCH), preferred_element_type=_wide(a, b))
 
 
 def _dot_widened(a: Array, b: Array) -> Array:
@@ -28,8 +33,8 @@ def _dot_widened(a: Array, b: Array) -> Array:
 
 
 def dot_nn(a: Array, b: Array) -> Array:
-    """``[B, H, M, K] x [B, H, K, N] -> [B, H, M, N]`` float32."""
-    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+    """``[B, H, M, K] x [B, H, K, N] -> [B, H, M, N]`` float32 (float64 if an operand is)."""
+    if a.dtype.itemsize >= 4 and b.dtype.itemsize >= 4:
         return _dot(a, b)
     # XLA's CPU runtime lacks a kernel for some bf16/f16 x bf16/f16 -> f32
     # dots ("Unsupported element type for DotThunk"), so on CPU the operands
@@ -38,13 +43,13 @@ def dot_nn(a: Array, b: Array) -> Array:
 
 
 def _finish(plan: Plan, product: Array, bias_tile: Array | None) -> tuple[Array, Array | None]:
-    s = product * jnp.float32(plan.scale)
+    s = product * plan.acc(plan.scale)
     capped = None
     if plan.softcap is not None:
-        capped = jnp.tanh(s * jnp.float32(1.0 / plan.softcap))
-        s = capped * jnp.float32(plan.softcap)
+        capped = jnp.tanh(s * plan.acc(1.0 / plan.softcap))
+        s = capped * plan.acc(plan.softcap)
     if bias_tile is not None:
-        s = s + bias_tile.astype(jnp.float32)
+        s = s + bias_tile.astype(plan.acc)
     return s, capped
 
 

@@ -1,26 +1,32 @@
 # The two commands of the README: `make demo` and `make test`.
-# Both create .venv and install every distribution of the repo in editable mode.
-# `make test` also builds a second environment (Python 3.12, the newest jax
-# there), runs the Pallas adapters', the flax adapter's and xla_native's decode
-# tests in it, and certifies every CPU-servable backend on both jax lines.
+# Both create .venv (Python 3.12, the newest jax line: 0.12) and install every
+# distribution of the repo in editable mode. `make test` also builds a
+# compatibility environment on the older line (Python 3.11, jax 0.10), runs
+# there the tests of what differs between the lines (the Pallas adapters, the
+# flax adapter, xla_native's decode gate, platform dispatch, and core's cheap
+# tests), and certifies every CPU-servable backend on both lines.
 # `make test-gpu` (on a GPU machine only) certifies the gpu backends there.
 
-PYTHON ?= python3
+# The default environment. jax >= 0.11 needs Python >= 3.12 (pyenv provides
+# 3.12.1 on these machines; elsewhere `make PYTHON=python3.12`).
+PYTHON ?= env PYENV_VERSION=3.12.1 python3.12
+JAX ?= jax>=0.12,<0.13
 VENV := .venv
 PY := $(VENV)/bin/python
 # Every distribution in the repo: core, each plugin folder, the conformance suite.
 PACKAGES := core $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml)) contracts \
 	examples/dense_jax_backend
-STAMP := $(VENV)/.installed
+# The stamp names the line: a .venv built before the default moved (jax 0.10 on
+# Python 3.11) has none, so make rebuilds it from scratch (venv --clear).
+STAMP := $(VENV)/.installed-jax-0.12
 
-# The newer jax line: needs Python 3.12 (pyenv provides it on these machines).
-PYTHON_NEXT ?= env PYENV_VERSION=3.12.1 python3.12
-JAX_NEXT ?= jax>=0.12,<0.13
-VENV_NEXT := .venv-jax-next
-PY_NEXT := $(VENV_NEXT)/bin/python
-PACKAGES_NEXT := core plugins/reference plugins/xla_native plugins/flash_pallas plugins/flash_triton \
-	plugins/cudnn contracts examples/dense_jax_backend
-STAMP_NEXT := $(VENV_NEXT)/.installed
+# The compatibility environment: the oldest jax line the backends declare
+# (>=0.10), on Python 3.11, where pip resolves flax to 0.12.8.
+PYTHON_COMPAT ?= python3.11
+JAX_COMPAT ?= jax>=0.10,<0.11
+VENV_COMPAT := .venv-jax-0.10
+PY_COMPAT := $(VENV_COMPAT)/bin/python
+STAMP_COMPAT := $(VENV_COMPAT)/.installed
 
 # Conformance certificates written by `make test`, and a repo-local cache so
 # test runs never read or write the user's ~/.cache.
@@ -28,38 +34,38 @@ CERTS := .certificates
 # One certification per backend and jax line; the Pallas ones run in interpret mode.
 BACKENDS := reference xla_native example_dense flash_pallas flash_triton
 CERTIFY_MAIN := $(addprefix certify-main-,$(BACKENDS))
-CERTIFY_NEXT := $(addprefix certify-next-,$(BACKENDS))
+CERTIFY_COMPAT := $(addprefix certify-compat-,$(BACKENDS))
 INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1
 INTERPRET_flash_triton := ATTN_BACKENDS_TRITON_INTERPRET=1
-test-main pytest-next test-gpu multidevice $(CERTIFY_MAIN) $(CERTIFY_NEXT): \
+test-main pytest-compat test-gpu multidevice $(CERTIFY_MAIN) $(CERTIFY_COMPAT): \
 	export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
 
 CHECK = $(VENV)/bin/attn-backends check
-CHECK_NEXT = $(VENV_NEXT)/bin/attn-backends check
+CHECK_COMPAT = $(VENV_COMPAT)/bin/attn-backends check
 
 # Wheels as users get them: `make dist` builds every distribution into dist/
 # (regular wheels, not editable); test-wheels installs them into fresh venvs.
 DIST := dist
 
-.PHONY: install install-next demo dist lint test test-main test-jax-next test-wheels test-gpu clean
+.PHONY: install install-compat demo dist lint test test-main test-compat test-wheels test-gpu clean
 
 $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt "$(JAX)"
 	$(PY) -m pip install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $@
 
-$(STAMP_NEXT): $(addsuffix /pyproject.toml,$(PACKAGES_NEXT)) requirements-dev.txt
-	$(PYTHON_NEXT) -m venv $(VENV_NEXT)
-	$(PY_NEXT) -m pip install -q --upgrade pip "setuptools>=77" wheel
-	$(PY_NEXT) -m pip install -q -r requirements-dev.txt "$(JAX_NEXT)"
-	$(PY_NEXT) -m pip install -q --no-build-isolation $(addprefix -e ,$(PACKAGES_NEXT))
+$(STAMP_COMPAT): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
+	$(PYTHON_COMPAT) -m venv --clear $(VENV_COMPAT)
+	$(PY_COMPAT) -m pip install -q --upgrade pip "setuptools>=77" wheel
+	$(PY_COMPAT) -m pip install -q -r requirements-dev.txt "$(JAX_COMPAT)"
+	$(PY_COMPAT) -m pip install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $@
 
 install: $(STAMP)
 
-install-next: $(STAMP_NEXT)
+install-compat: $(STAMP_COMPAT)
 
 demo: install
 	$(VENV)/bin/attn-backends list
@@ -67,11 +73,12 @@ demo: install
 	$(PY) examples/demo.py
 	$(PY) examples/transformer/train.py --steps 20
 
-# Stages: the main pytest; the multidevice tests and certifications on jax 0.10
-# (the second environment installs beside them); the jax-next pytest; the
-# jax-next certifications beside the wheel installs (mostly downloads).
-test: lint test-main pytest-next
-	$(MAKE_2) certify-next-xla_native wheels-full certify-next-flash_pallas wheels-xla $(CERTIFY_NEXT)
+# Stages: the main pytest; the multidevice tests and certifications on jax 0.12
+# (the compatibility environment installs beside them); the compatibility
+# pytest; the jax 0.10 certifications beside the wheel installs (mostly downloads).
+test: lint test-main pytest-compat
+	$(MAKE_2) certify-compat-xla_native wheels-full certify-compat-flash_pallas wheels-xla \
+		$(CERTIFY_COMPAT)
 
 # Ruff over every Python file of the repo (pyproject.toml holds its rules): seconds.
 lint: install
@@ -92,11 +99,14 @@ wheels-ready: dist
 	rm -rf $(DIST)/third-party tests/wheels/broken_backend/build
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST)/third-party ./tests/wheels/broken_backend
 
+# run.sh takes one interpreter path ($(PYTHON) may be a command line: `env ... python3.12`).
+WHEELS_PYTHON = PYTHON="$$($(PYTHON) -c 'import sys; print(sys.executable)')"
+
 wheels-full: wheels-ready
-	PYTHON=$(PYTHON) tests/wheels/run.sh --variant full
+	$(WHEELS_PYTHON) tests/wheels/run.sh --variant full
 
 wheels-xla: wheels-ready
-	PYTHON=$(PYTHON) tests/wheels/run.sh --variant xla \
+	$(WHEELS_PYTHON) tests/wheels/run.sh --variant xla \
 		--wheel $(DIST)/third-party/attn_backend_broken-1.0-py3-none-any.whl \
 		--run tests/wheels/broken_not_served.py
 
@@ -106,11 +116,11 @@ wheels-xla: wheels-ready
 PYTEST_2 := -n 2 --dist loadfile
 MAKE_2 := $(MAKE) -j2 --output-sync=target
 
-.PHONY: multidevice wheels-ready wheels-full wheels-xla pytest-next $(CERTIFY_MAIN) $(CERTIFY_NEXT)
+.PHONY: multidevice wheels-ready wheels-full wheels-xla pytest-compat $(CERTIFY_MAIN) $(CERTIFY_COMPAT)
 
 test-main: install
 	$(PY) -m pytest $(PYTEST_2) --durations=25
-	$(MAKE_2) certify-main-xla_native multidevice install-next $(CERTIFY_MAIN)
+	$(MAKE_2) certify-main-xla_native multidevice install-compat $(CERTIFY_MAIN)
 
 multidevice: install
 	$(PY) -m pytest tests/multidevice
@@ -119,21 +129,22 @@ $(CERTIFY_MAIN): certify-main-%: install
 	mkdir -p $(CERTS)
 	$(INTERPRET_$*) $(CHECK) $* --json $(CERTS)/$*.json
 
-# On jaxlib >= 0.12 every call with Tq <= 8 takes xla_native's decode path, so
-# its decode tests and its certification on this line reach that path.
-test-jax-next: pytest-next
-	$(MAKE_2) $(CERTIFY_NEXT)
+# On jaxlib < 0.12 xla_native's decode path is off (DECODE_MIN_JAXLIB): its
+# decode tests check there that the blockwise kernel serves those calls, and
+# its certification on this line reaches the blockwise kernel only.
+test-compat: pytest-compat
+	$(MAKE_2) $(CERTIFY_COMPAT)
 
-pytest-next: install-next
-	$(PY_NEXT) -c "import jax; print('jax', jax.__version__, 'on Python 3.12')"
-	$(PY_NEXT) -m pytest $(PYTEST_2) plugins/flash_pallas plugins/flash_triton plugins/cudnn \
-		tests/test_flax.py tests/test_flax_nnx.py tests/test_platform_dispatch.py \
+pytest-compat: install-compat
+	$(PY_COMPAT) -c "import sys, jax; print('jax', jax.__version__, 'on Python', sys.version.split()[0])"
+	$(PY_COMPAT) -m pytest $(PYTEST_2) tests/core plugins/flash_pallas plugins/flash_triton \
+		plugins/cudnn tests/test_flax.py tests/test_flax_nnx.py tests/test_platform_dispatch.py \
 		plugins/xla_native/tests/test_xla_native_decode.py \
 		plugins/xla_native/tests/test_xla_native_forward_only.py
 
-$(CERTIFY_NEXT): certify-next-%: install-next
+$(CERTIFY_COMPAT): certify-compat-%: install-compat
 	mkdir -p $(CERTS)
-	$(INTERPRET_$*) $(CHECK_NEXT) $* --json $(CERTS)/$*-jax-next.json
+	$(INTERPRET_$*) $(CHECK_COMPAT) $* --json $(CERTS)/$*-jax-0.10.json
 
 # On a GPU machine (never in CI): installs JAX's CUDA plugin for the installed
 # jax, runs the gpu-only tests, certifies every gpu backend on the local GPU and
@@ -153,4 +164,4 @@ test-gpu: install
 	$(PY) benchmarks/bench_gpu.py
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) $(CERTS) .attn-cache $(DIST)
+	rm -rf $(VENV) $(VENV_COMPAT) $(CERTS) .attn-cache $(DIST)

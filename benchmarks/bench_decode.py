@@ -5,9 +5,9 @@ Run from the repo root:
     .venv/bin/python benchmarks/bench_decode.py                     # the full table
     .venv/bin/python benchmarks/bench_decode.py --tk 4096 --rounds 3  # a short run
 
-xla_native's decode path serves only on jaxlib >= 0.12 (on older jaxlib the
-"xla_native" column times its blockwise kernel): run it with
-``.venv-jax-next/bin/python`` for the decode path's figures.
+xla_native's decode path serves only on jaxlib >= 0.12, the default
+``.venv``'s line; on older jaxlib (``.venv-jax-0.10``, the compatibility
+environment) the "xla_native" column times its blockwise kernel.
 
 Each case: B=8, Hq=32, Hkv=8, D=128, Tq=1, causal (aligned bottom-right:
 the new query sees the whole cache), ``kv_lengths`` drawn in [Tk/2, Tk];

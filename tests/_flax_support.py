@@ -10,8 +10,8 @@ from attn_backends.flax import FlaxAttention, attention_fn
 
 REGISTRY = ab.Registry(probe=None)
 
-#: Every installed backend that serves f32 head dim 8 with masks on cpu (the
-#: jax-next environment installs only reference among them). The adapter's
+#: Every installed backend that serves f32 head dim 8 with masks on cpu (both
+#: environments of make test install all three). The adapter's
 #: mapping is the same for each: the cases run on the tiled one, PRIMARY, and
 #: one case runs on every backend.
 BACKENDS = [b for b in ("reference", "xla_native", "example_dense") if b in REGISTRY.backends]

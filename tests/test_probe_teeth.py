@@ -25,16 +25,21 @@ import attn_backends as ab
 from attn_backends.probe.run import run_probe
 backend = ab.Registry(probe=None, only=["xla_native"]).backend("xla_native")
 S, f32 = jax.ShapeDtypeStruct, jnp.float32
+# A dropout mutant is probed on the same call with dropout (the probe then judges
+# under the keep-mask the backend exposes).
+dropout = ({"dropout_rate": 0.2, "dropout_key": jax.random.key(3)}
+           if os.environ.get("ATTN_TEETH_DROPOUT") else {})
 call = ab.bind(S((2, 128, 4, 32), f32), S((2, 128, 2, 32), f32), S((2, 128, 2, 32), f32),
-               causal=True, softcap=30.0)[0]
+               causal=True, softcap=30.0, **dropout)[0]
 print("REASONS " + json.dumps(run_probe(backend, call, "cpu")))
 """
 assert _LAUNCHER.endswith(_CLI_TAIL)
 _PROBE = _LAUNCHER[: -len(_CLI_TAIL)] + _PROBE_TAIL
 
 
-def _probe(edits: list) -> list[str]:
-    env = dict(os.environ, ATTN_TEETH_EDITS=json.dumps(edits), ATTN_TEETH_ORDER=json.dumps(_ORDER))
+def _probe(edits: list, dropout: bool = False) -> list[str]:
+    env = dict(os.environ, ATTN_TEETH_EDITS=json.dumps(edits), ATTN_TEETH_ORDER=json.dumps(_ORDER),
+               ATTN_TEETH_DROPOUT="1" if dropout else "")
     proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
                           timeout=900)
     log = proc.stdout + proc.stderr
@@ -43,12 +48,13 @@ def _probe(edits: list) -> list[str]:
     return json.loads(line[len("REASONS "):])
 
 
-def test_the_unmutated_kernel_passes_the_probe():
-    assert _probe([]) == []
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "dropout"])
+def test_the_unmutated_kernel_passes_the_probe(dropout):
+    assert _probe([], dropout) == []
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_the_probe_quarantines_each_mutant(name):
-    reasons = _probe(MUTANTS[name][0])
+    reasons = _probe(MUTANTS[name][0], dropout=name.startswith("dropout"))
     assert reasons, f"the probe passed the {name} mutant"
     assert all(r.startswith("probe") and "differs from the float64 oracle" in r for r in reasons)

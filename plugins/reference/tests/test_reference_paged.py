@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _paged_support import paged_case
+from attn_backends.oracle import paged_attention as oracle
 
 PS = 4
 # float32 with exact (HIGHEST) matmuls from float32 inputs: far inside what
@@ -128,3 +129,18 @@ def test_layout_round_trip_is_exact():
     back = paged.to_canonical(cache)
     for a, b in zip(back, (k, v), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_the_readme_example_runs_and_agrees_with_the_oracle():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    block = readme.split("## Serving: paged KV cache", 1)[1].split("```python\n", 1)[1]
+    scope: dict = {}
+    exec(compile(block.split("```", 1)[0].replace("print(", "str("), "README.md (paged)",
+                 "exec"), scope)
+    k_pages, v_pages = scope["paged"].to_canonical(scope["cache"])
+    batch = scope["batch"]
+    expected = oracle(scope["q"], k_pages, v_pages, *batch)
+    np.testing.assert_allclose(np.asarray(scope["out"]), expected, atol=ATOL, rtol=0)
+    assert scope["paged"].backend.name == "reference"

@@ -92,7 +92,7 @@ def select_paged(call: PagedCall, platform: str, backends: Sequence[Backend], *,
             priority=backend.priority_on(platform), accepted=accepted,
             reasons=tuple(reasons), probed=probed,
             platform_ok=paged and platform in backend.paged_capabilities.platforms))
-    return Explanation(call, platform, present, tuple(verdicts), chosen)  # type: ignore[arg-type]
+    return Explanation(call, platform, present, tuple(verdicts), chosen)
 
 
 def choose_paged(explanation: Explanation, *, pinned: str | None, fallback: str) -> str:

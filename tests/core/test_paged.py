@@ -55,6 +55,14 @@ def test_a_refused_paged_backend_is_passed_over_with_its_reason(fake_registry):
     assert reg.get_paged(**CALL).backend.name == "nowindow"
 
 
+def test_unknown_names_in_prefer_and_options_warn(fake_registry):
+    reg = fake_registry(make_paged_backend("pg"))
+    with pytest.warns(ab.AttnBackendsWarning, match="prefer: 'pgg' not installed"):
+        reg.get_paged(**CALL, prefer="pgg")
+    with pytest.warns(ab.AttnBackendsWarning, match="backend_options: 'pq' not installed"):
+        reg.get_paged(**CALL, backend_options={"pq": None})
+
+
 def test_manifest_and_check_paged_reasons(fake_registry):
     reg = fake_registry(
         make_paged_backend("decode_only", max_q_len=1, page_sizes={16}),
@@ -99,6 +107,7 @@ def test_explain_paged_on_the_command_line(fake_registry, monkeypatch, capsys):
     ({"window": (3, 2)}, "window: expected \\(left, None\\), got right side 2"),
     ({"max_q_len": 0}, "max_q_len: expected an int >= 1, got 0"),
     ({"softcap": -1.0}, "softcap: expected a finite value > 0"),
+    ({"dtype": "float64"}, "dtype: dtype float64 needs jax_enable_x64"),
 ])
 def test_bad_call_arguments_are_named(fake_registry, change, message):
     reg = fake_registry(make_paged_backend("pg"))

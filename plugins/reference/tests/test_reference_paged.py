@@ -120,6 +120,19 @@ def test_write_then_attend_and_write_exactness():
     np.testing.assert_allclose(out, case.expected(), atol=ATOL, rtol=0)
 
 
+def test_float64_under_x64_computes_in_float64():
+    case = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1)
+    with jax.enable_x64(True):
+        paged = _paged(dtype="float64")
+        cache = paged.from_canonical(*(jnp.asarray(x, jnp.float64)
+                                       for x in (case.k_pages, case.v_pages)))
+        out = jax.jit(paged.__call__)(jnp.asarray(case.q, jnp.float64), cache, case.batch())
+        assert out.dtype == jnp.float64
+        out = np.asarray(out)
+    clean = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1, garbage=False)
+    np.testing.assert_allclose(out, clean.expected(), atol=1e-12, rtol=0)
+
+
 def test_layout_round_trip_is_exact():
     paged = _paged(dtype="bfloat16")
     case = paged_case([(2, 7)], page_size=PS)

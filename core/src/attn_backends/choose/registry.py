@@ -276,6 +276,13 @@ class Registry:
         platform, present = platforms[0]
         candidates = self.backends if backend is None else {backend: self.backend(backend)}
         prefer = (prefer,) if isinstance(prefer, str) else tuple(prefer or ())
+        for what, names in (("prefer", prefer), ("backend_options", backend_options or {})):
+            unknown = sorted(set(names) - set(self.backends))
+            if unknown:
+                # As for get(): not an error, but a typo must not pass unnoticed.
+                warn(f"{what}: {', '.join(map(repr, unknown))} not installed (installed: "
+                     f"{', '.join(sorted(self.backends)) or 'none'}); ignored",
+                     AttnBackendsWarning)
         explanation = select_paged(
             call, platform, list(candidates.values()), jax_version=_jax_version(),
             present=present, prefer=prefer,

@@ -166,7 +166,7 @@ class PagedAttention:
         assert isinstance(backend, PagedBackend)
         self.call = call
         self.backend = backend
-        self.paged: PagedBackend = backend
+        self._paged: PagedBackend = backend
         self.explanation = explanation
         self.present = present
         self.options = options
@@ -191,11 +191,11 @@ class PagedAttention:
                 or num_pages < 1:
             raise ValueError(f"num_pages: expected a static int >= 1, got {num_pages!r}")
         self._require_present()
-        return self.paged.init_cache(self.call, int(num_pages))
+        return self._paged.init_cache(self.call, int(num_pages))
 
     def _check_cache(self, cache: Any) -> None:
         num_pages = getattr(cache, "num_pages", 1)
-        expected = jax.eval_shape(lambda: self.paged.init_cache(self.call, num_pages))
+        expected = jax.eval_shape(lambda: self._paged.init_cache(self.call, num_pages))
         check_cache(self.call, cache, self.layout, expected)
 
     def write(self, cache: KVCache, k: Any, v: Any, slots: Any) -> KVCache:
@@ -210,7 +210,7 @@ class PagedAttention:
         if known is not None and known.size and known.max() >= flat:
             raise ValueError(f"slots: expected each < num_pages * page_size = {flat} (or "
                              f"negative for padding), got {int(known.max())}")
-        return self.paged.write(self.call, cache, k, v, jnp.asarray(slots, jnp.int32))
+        return self._paged.write(self.call, cache, k, v, jnp.asarray(slots, jnp.int32))
 
     def __call__(self, q: Any, cache: KVCache, batch: PagedBatch) -> Any:
         """q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` in q's dtype; rows past
@@ -228,7 +228,7 @@ class PagedAttention:
         q, arrays = self._guard(q, cache.arrays)
         cache = KVCache(arrays, cache.layout, cache.page_size, cache.num_pages)
         with jax.named_scope(f"attn_paged/{self.backend.name}"):
-            out = self.paged.attend_paged(call, q, cache, batch, self.options)
+            out = self._paged.attend_paged(call, q, cache, batch, self.options)
         if self.call.max_q_len is not None:
             out = _flag_long_sequences(out, batch, self.call.max_q_len)
         return out
@@ -236,7 +236,7 @@ class PagedAttention:
     def to_canonical(self, cache: KVCache) -> tuple[Any, Any]:
         """K and V ``[num_pages, page_size, Hkv, D]``: the layout-free view, exact."""
         self._check_cache(cache)
-        return self.paged.to_canonical(self.call, cache)
+        return self._paged.to_canonical(self.call, cache)
 
     def from_canonical(self, k_pages: Any, v_pages: Any) -> KVCache:
         """A cache in this backend's layout holding K and V ``[num_pages, page_size,
@@ -253,4 +253,4 @@ class PagedAttention:
         if k_pages.shape != v_pages.shape:
             raise ValueError(f"k_pages, v_pages: expected one shape, got {list(k_pages.shape)}"
                              f" and {list(v_pages.shape)}")
-        return self.paged.from_canonical(self.call, k_pages, v_pages)
+        return self._paged.from_canonical(self.call, k_pages, v_pages)

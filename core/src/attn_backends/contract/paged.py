@@ -104,7 +104,9 @@ class PagedBatch(NamedTuple):
     num_seqs: Any
 
 
-@dataclass(frozen=True)
+# eq=False: comparing caches would compare arrays elementwise; a cache is a value
+# of arrays, identified by its layout, not a key.
+@dataclass(frozen=True, eq=False)
 class KVCache:
     """A paged KV cache: the pool's arrays in ``layout``, the layout of the backend
     that made it (``arrays`` are pytree children; ``layout``, ``page_size`` and

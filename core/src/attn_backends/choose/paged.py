@@ -24,16 +24,8 @@ from ..contract.errors import (
     UnsupportedError,
     warn,
 )
-from ..contract.paged import (
-    KVCache,
-    PagedBackend,
-    PagedBatch,
-    PagedCall,
-    check_attend,
-    check_batch_values,
-    check_cache,
-    check_write,
-)
+from ..contract.paged import KVCache, PagedBackend, PagedBatch, PagedCall
+from ..contract.paged_bind import check_attend, check_batch_values, check_cache, check_write
 from .dispatch import unavailable_message
 from .select import Explanation, Verdict, rank
 

@@ -240,7 +240,7 @@ class Registry:
         ``head_dim ** -0.5``), ``softcap``, ``window=(left, None)``; ``max_q_len``
         the most query rows one sequence has in a batch (None: any).
         """
-        from ..contract.paged import bind_paged
+        from ..contract.paged_bind import bind_paged
         from .paged import PagedAttention, choose_paged
 
         call = bind_paged(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
@@ -256,7 +256,7 @@ class Registry:
                       prefer: str | Sequence[str] | None = None, **call: Any) -> Explanation:
         """Every backend's verdict for a paged call (``call``: :meth:`get_paged`'s
         keyword arguments) on ``device``; chooses nothing, warns nothing."""
-        from ..contract.paged import bind_paged
+        from ..contract.paged_bind import bind_paged
 
         return self._explain_paged(bind_paged(**call), device, backend, prefer, "silent",
                                    None)[0]

@@ -24,9 +24,19 @@ from .contract.errors import (
     UnknownBackendError,
     UnsupportedError,
 )
+from .contract.paged import (
+    CANONICAL_LAYOUT,
+    PAGED_FEATURES,
+    KVCache,
+    PagedBackend,
+    PagedBatch,
+    PagedCall,
+    PagedCapabilities,
+)
 
 __all__ = [
     "API_VERSION",
+    "CANONICAL_LAYOUT",
     "CLAIMABLE_DTYPES",
     "DTYPES",
     "ENTRY_POINT_GROUP",
@@ -41,10 +51,16 @@ __all__ = [
     "Explanation",
     "FallbackWarning",
     "HeadDims",
+    "KVCache",
     "LoadProblem",
     "NoBackendError",
     "Operands",
     "Origin",
+    "PAGED_FEATURES",
+    "PagedBackend",
+    "PagedBatch",
+    "PagedCall",
+    "PagedCapabilities",
     "PlatformUnavailableError",
     "PluginConflictError",
     "PluginError",

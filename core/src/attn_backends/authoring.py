@@ -35,11 +35,13 @@ from .contract.call import FEATURES, AttentionCall
 from .contract.capabilities import Capabilities
 from .contract.environment import env_flag
 from .contract.errors import UnsupportedError
+from .contract.paged import canonical_write
 
 __all__ = [
     "UNKNOWN_VERSION",
     "InterpretSwitch",
     "SwitchedManifest",
+    "canonical_write",
     "distribution_version",
     "dropout_keep",
     "dropout_keep_at",

@@ -14,6 +14,7 @@ from .select import Explanation, Probe
 
 if TYPE_CHECKING:
     from .attention import Attention, ParallelLayer
+    from .paged import PagedAttention
 
 FALLBACK_MODES = ("warn", "error", "silent")
 
@@ -209,6 +210,87 @@ class Registry:
             parallel=self._parallel,
             layout=layout,
         )
+
+    def get_paged(
+        self,
+        device: Any = None,
+        backend: str | None = None,
+        prefer: str | Sequence[str] | None = None,
+        fallback: str = "warn",
+        backend_options: Mapping[str, Any] | None = None,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: Any,
+        scale: float | None = None,
+        softcap: float | None = None,
+        window: tuple[int, None] | None = None,
+        max_q_len: int | None = None,
+    ) -> PagedAttention:
+        """A :class:`~attn_backends.choose.paged.PagedAttention` for ``device``:
+        selection runs here, once, because the cache is made in the chosen
+        backend's layout (docs/DESIGN.md, "Paged attention").
+
+        ``device``, ``backend``, ``prefer``, ``fallback`` and ``backend_options``
+        as in :meth:`get`, for one platform. The rest describe the call:
+        q ``[T, num_q_heads, head_dim]``, K and V of ``num_kv_heads`` heads in
+        pages of ``page_size`` positions, ``dtype``; ``scale`` (default
+        ``head_dim ** -0.5``), ``softcap``, ``window=(left, None)``; ``max_q_len``
+        the most query rows one sequence has in a batch (None: any).
+        """
+        from ..contract.paged_bind import bind_paged
+        from .paged import PagedAttention, choose_paged
+
+        call = bind_paged(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, page_size=page_size, dtype=dtype, scale=scale,
+                          softcap=softcap, window=window, max_q_len=max_q_len)
+        explanation, present = self._explain_paged(call, device, backend, prefer, fallback,
+                                                   backend_options)
+        chosen = choose_paged(explanation, pinned=backend, fallback=fallback)
+        return PagedAttention(call, self.backend(chosen), explanation, present=present,
+                              options=(backend_options or {}).get(chosen))
+
+    def explain_paged(self, device: Any = None, backend: str | None = None,
+                      prefer: str | Sequence[str] | None = None, **call: Any) -> Explanation:
+        """Every backend's verdict for a paged call (``call``: :meth:`get_paged`'s
+        keyword arguments) on ``device``; chooses nothing, warns nothing."""
+        from ..contract.paged_bind import bind_paged
+
+        return self._explain_paged(bind_paged(**call), device, backend, prefer, "silent",
+                                   None)[0]
+
+    def _explain_paged(self, call: Any, device: Any, backend: str | None, prefer: Any,
+                       fallback: str, backend_options: Mapping[str, Any] | None,
+                       ) -> tuple[Explanation, bool]:
+        from ..contract.environment import resolve_all
+        from .paged import select_paged
+
+        if fallback not in FALLBACK_MODES:
+            raise ValueError(f"fallback: expected one of {FALLBACK_MODES}, got {fallback!r}")
+        platforms = resolve_all(device)
+        if len(platforms) != 1:
+            raise ValueError(f"device: paged attention serves one platform, got "
+                             f"{[p for p, _ in platforms]}")
+        platform, present = platforms[0]
+        candidates = self.backends if backend is None else {backend: self.backend(backend)}
+        prefer = (prefer,) if isinstance(prefer, str) else tuple(prefer or ())
+        for what, names in (("prefer", prefer), ("backend_options", backend_options or {})):
+            unknown = sorted(set(names) - set(self.backends))
+            if unknown:
+                # As for get(): not an error, but a typo must not pass unnoticed.
+                warn(f"{what}: {', '.join(map(repr, unknown))} not installed (installed: "
+                     f"{', '.join(sorted(self.backends)) or 'none'}); ignored",
+                     AttnBackendsWarning)
+        explanation = select_paged(
+            call, platform, list(candidates.values()), jax_version=_jax_version(),
+            present=present, prefer=prefer,
+            distributions={n: o.distribution for n, o in self.origins.items()},
+            # The seam for paged probes (a later phase): none runs yet, so every
+            # verdict is the manifest's and check_paged's.
+            probe=None, options=backend_options)
+        return explanation, present
 
     def _sharding_request(self, mesh: Any, spec: Any, sequence_axis: str | None,
                           ring_block: int | None) -> Any:

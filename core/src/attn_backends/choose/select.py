@@ -10,6 +10,7 @@ from typing import Any
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall
 from ..contract.capabilities import in_range
+from ..contract.paged import PagedCall
 
 #: ``probe(backend, call, platform, options) -> reasons`` (empty: passed; None:
 #: nothing was compared, e.g. the backend's check() rejects every probe shape).
@@ -43,9 +44,10 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Explanation:
-    """Every backend's verdict for a call, in preference order, and the choice."""
+    """Every backend's verdict for a call (a dense one, or a paged one from
+    ``select_paged``), in preference order, and the choice."""
 
-    call: AttentionCall
+    call: AttentionCall | PagedCall
     platform: str
     present: bool
     verdicts: tuple[Verdict, ...]

@@ -136,9 +136,29 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain_paged(args: argparse.Namespace) -> int:
+    if args.heads is None or args.head_dim is None or args.page_size is None:
+        raise SystemExit("explain --paged: give --heads HQ,HKV, --head-dim D and --page-size N")
+    if args.window is not None and args.window[1] is not None:
+        raise SystemExit("explain --paged: --window takes LEFT, (paged attention is causal)")
+    explanation = _registry().explain_paged(
+        device=args.device, backend=args.backend,
+        prefer=args.prefer.split(",") if args.prefer else None,
+        num_q_heads=args.heads[0], num_kv_heads=args.heads[1], head_dim=args.head_dim,
+        page_size=args.page_size, dtype=args.dtype, softcap=args.softcap,
+        window=args.window, max_q_len=args.max_q_len)
+    print(explanation.to_json() if args.json else explanation)
+    return 0 if explanation.chosen else 1
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
+
+    if args.paged:
+        return cmd_explain_paged(args)
+    if args.q is None or args.kv is None:
+        raise SystemExit("explain: give --q and --kv (or --paged with its call)")
 
     if args.layout == "BHTD":
         (b, hq, tq, _), (bk, _, tk, dk) = args.q, args.kv
@@ -356,10 +376,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_exp = sub.add_parser("explain", help="every backend's verdict for a call")
     p_exp.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
-    p_exp.add_argument("--q", required=True, type=_ints(4), metavar="B,Tq,Hq,D",
-                       help="q's shape (B,Hq,Tq,D with --layout BHTD)")
-    p_exp.add_argument("--kv", required=True, type=_ints(4), metavar="B,Tk,Hkv,D",
-                       help="k's shape (B,Hkv,Tk,D with --layout BHTD)")
+    p_exp.add_argument("--q", type=_ints(4), metavar="B,Tq,Hq,D",
+                       help="q's shape (B,Hq,Tq,D with --layout BHTD); not with --paged")
+    p_exp.add_argument("--kv", type=_ints(4), metavar="B,Tk,Hkv,D",
+                       help="k's shape (B,Hkv,Tk,D with --layout BHTD); not with --paged")
+    p_exp.add_argument("--paged", action="store_true",
+                       help="a paged KV-cache call: --heads, --head-dim, --page-size "
+                            "[--max-q-len], with --dtype, --softcap, --window LEFT,")
+    p_exp.add_argument("--heads", type=_ints(2), default=None, metavar="HQ,HKV",
+                       help="with --paged: query and kv heads")
+    p_exp.add_argument("--head-dim", type=_positive, default=None, help="with --paged: D")
+    p_exp.add_argument("--page-size", type=_positive, default=None,
+                       help="with --paged: positions per page")
+    p_exp.add_argument("--max-q-len", type=_positive, default=None,
+                       help="with --paged: most query rows per sequence (1: decode)")
     p_exp.add_argument("--layout", default="BTNH", choices=("BTNH", "BHTD"),
                        help="the axis order of --q and --kv (default: BTNH)")
     p_exp.add_argument("--dv", type=_positive, default=None, help="value head dim (default: D)")

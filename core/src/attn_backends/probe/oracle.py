@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["attention", "attention_vjp", "magnitudes", "visibility"]
+from .paged_oracle import paged_attention
+
+__all__ = ["attention", "attention_vjp", "magnitudes", "paged_attention", "visibility"]
 
 
 def _f64(x: Any) -> np.ndarray:

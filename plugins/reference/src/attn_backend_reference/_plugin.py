@@ -10,15 +10,20 @@ from attn_backends import (
     PLATFORMS,
     AttentionCall,
     Backend,
+    KVCache,
     Operands,
+    PagedBackend,
+    PagedBatch,
+    PagedCall,
+    PagedCapabilities,
     hookimpl,
 )
 from attn_backends.authoring import distribution_version, dropout_keep, manifest
 
 
-class ReferenceBackend(Backend):
+class ReferenceBackend(Backend, PagedBackend):
     """Dense attention in float32 (float64 for float64 calls): every feature, every
-    platform, lowest priority."""
+    platform, lowest priority. Paged calls too, on the canonical cache layout."""
 
     name = "reference"
     version = distribution_version("attn-backend-reference")
@@ -28,6 +33,10 @@ class ReferenceBackend(Backend):
                             bias_grad=True, differentiable=True, partitionable=True,
                             jax_versions=">=0.10")
     priority = {"cpu": 0, "gpu": 0, "tpu": 0}
+    # Any page size, head dim and batch shape; init_cache, write and the
+    # canonical round trip are PagedBackend's canonical-layout defaults.
+    paged_capabilities = PagedCapabilities(platforms=PLATFORMS, dtypes=CLAIMABLE_DTYPES,
+                                           gqa=True, softcap=True, window=True)
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                options: Any = None) -> Any:
@@ -35,6 +44,13 @@ class ReferenceBackend(Backend):
         from ._dense import dense_attention
 
         return dense_attention(call, q, k, v, operands)
+
+    def attend_paged(self, call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
+                     options: Any = None) -> Any:
+        """Gather each sequence's pages, mask, dense softmax; takes no ``options``."""
+        from ._paged import paged_attention
+
+        return paged_attention(call, q, cache, batch)
 
     def dropout_keep(self, call: AttentionCall, key: Any) -> Any:
         """The keep-mask ``attend`` applies: bool ``[B, Hq, Tq, Tk]`` (authoring's rule)."""

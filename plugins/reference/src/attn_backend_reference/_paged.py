@@ -1,0 +1,67 @@
+"""Paged attention, the obvious way: gather each sequence's pages into dense keys
+and values, mask, dense softmax. The cache is in the canonical layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from attn_backends import KVCache, PagedBatch, PagedCall
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def row_sequences(batch: PagedBatch, rows: int) -> tuple[jax.Array, jax.Array]:
+    """Per query row: the sequence owning it ``[T]`` and whether one does ``[T]``.
+
+    Entries of ``cu_q_lens`` past ``num_seqs`` may be anything: they are replaced
+    by the largest int, so the search never lands on an uncounted sequence."""
+    cu, num = batch.cu_q_lens, batch.num_seqs
+    counted = jnp.arange(cu.shape[0]) <= num
+    ends = jnp.where(counted, cu, jnp.iinfo(jnp.int32).max)
+    t = jnp.arange(rows)
+    seq = jnp.clip(jnp.searchsorted(ends, t, side="right") - 1, 0, batch.kv_lens.shape[0] - 1)
+    return seq, t < cu[num]
+
+
+def paged_attention(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch) -> Any:
+    """q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` (q's dtype); rows no sequence owns: zeros."""
+    rows = q.shape[0]
+    if rows == 0 or batch.kv_lens.shape[0] == 0:
+        return jnp.zeros_like(q)
+    k_pages, v_pages = cache.arrays
+    wide = jnp.dtype(call.accumulation_dtype)
+    seqs, pages = batch.page_table.shape
+    length = pages * call.page_size
+    # Table entries past a sequence's last page may be garbage: clip them to a
+    # real page, whose positions are masked below anyway.
+    table = jnp.clip(batch.page_table, 0, cache.num_pages - 1)
+    pos = jnp.arange(length)
+    # [S, L, Hkv, D]: sequence s's position p, zeroed past kv_lens and for
+    # uncounted sequences (whose kv_lens may be garbage), so garbage (NaN, Inf)
+    # there never meets a zero weight (0 * NaN is NaN).
+    counted = jnp.arange(seqs) < batch.num_seqs
+    filled = ((pos[None, :] < batch.kv_lens[:, None]) & counted[:, None])[:, :, None, None]
+    keys, values = (
+        jnp.where(filled, x[table].reshape(seqs, length, call.kv_heads, call.head_dim), 0)
+        for x in (k_pages, v_pages))
+    seq, owned = row_sequences(batch, rows)
+    q_len = batch.cu_q_lens[seq + 1] - batch.cu_q_lens[seq]
+    row_pos = batch.kv_lens[seq] - q_len + (jnp.arange(rows) - batch.cu_q_lens[seq])
+    visible = (pos[None, :] <= row_pos[:, None]) & owned[:, None]
+    if call.window is not None:
+        visible &= pos[None, :] >= row_pos[:, None] - call.window[0]
+    qg = jnp.where(owned[:, None, None], q, 0).astype(wide)
+    qg = qg.reshape(rows, call.kv_heads, call.group, call.head_dim)
+    logits = jnp.einsum("tkgd,tlkd->tkgl", qg, keys[seq].astype(wide),
+                        precision=_HIGHEST) * call.scale
+    if call.softcap is not None:
+        logits = call.softcap * jnp.tanh(logits / call.softcap)
+    mask = visible[:, None, None, :]
+    peak = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
+    weights = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0)), 0)
+    total = weights.sum(-1, keepdims=True)
+    probs = weights / jnp.where(total > 0, total, 1)
+    out = jnp.einsum("tkgl,tlkd->tkgd", probs, values[seq].astype(wide), precision=_HIGHEST)
+    return out.reshape(rows, call.q_heads, call.head_dim).astype(q.dtype)

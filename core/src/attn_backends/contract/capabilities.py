@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .call import DTYPES, FEATURES, WIDE_DTYPES, AttentionCall
 from .environment import PLATFORMS, check_platform
@@ -153,15 +154,21 @@ class Capabilities:
 
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly view (sets become sorted lists)."""
-        out: dict[str, object] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, frozenset):
-                value = sorted(value)
-            elif isinstance(value, HeadDims):
-                value = value.describe()
-            out[f.name] = value
-        return out
+        return manifest_dict(self)
+
+
+def manifest_dict(manifest: Any) -> dict[str, object]:
+    """A manifest dataclass (dense or paged) as JSON-friendly data: its fields by
+    name, sets as sorted lists, head dims as their description."""
+    out: dict[str, object] = {}
+    for f in fields(manifest):
+        value = getattr(manifest, f.name)
+        if isinstance(value, frozenset):
+            value = sorted(value)
+        elif isinstance(value, HeadDims):
+            value = value.describe()
+        out[f.name] = value
+    return out
 
 
 _RELEASE = re.compile(r"^\s*(\d+(?:\.\d+)*)")

@@ -20,11 +20,11 @@ The validation of every argument is in :mod:`.paged_bind`, loaded with the first
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from .call import DTYPES, WIDE_DTYPES
-from .capabilities import CLAIMABLE_DTYPES, HeadDims, validate_spec
+from .capabilities import CLAIMABLE_DTYPES, HeadDims, manifest_dict, validate_spec
 from .environment import PLATFORMS, check_platform
 from .errors import UnsupportedError
 
@@ -194,15 +194,8 @@ class PagedCapabilities:
         return reasons
 
     def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, frozenset):
-                value = sorted(value)
-            elif isinstance(value, HeadDims):
-                value = value.describe()
-            out[f.name] = value
-        return out
+        """JSON-friendly view (sets become sorted lists)."""
+        return manifest_dict(self)
 
 
 class PagedBackend(abc.ABC):

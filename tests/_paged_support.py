@@ -1,16 +1,18 @@
 """Helpers for paged-attention tests: ragged batches with garbage where the contract
-says it never matters, and fake paged backends (no plugin imports)."""
+says it never matters, the case set every paged backend's tests run
+(:class:`PagedCases`), and fake paged backends (no plugin imports)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from _support import ALL_FEATURES
 from attn_backends import Backend, Capabilities, KVCache, PagedBackend, PagedCapabilities
 from attn_backends.authoring import canonical_write
@@ -104,6 +106,138 @@ def paged_case(seqs: Sequence[tuple[int, int]], *, page_size: int, hq: int = 4,
     return PagedCase(q, k_pages, v_pages, cu, kv_lens, table, num_seqs,
                      np.asarray(slots, np.int32), np.asarray(k_rows) if k_rows else empty,
                      np.asarray(v_rows) if v_rows else empty)
+
+
+#: Page size of :class:`PagedCases`: small, so a few tokens cross several pages.
+PS = 4
+
+
+class PagedCases:
+    """The paged case set against the float64 oracle, for one backend: subclass it
+    as ``Test...`` with ``backend`` (and ``options``, its ``backend_options``).
+
+    Every length class around a page, page orders, garbage, batch shapes, GQA,
+    softcap, window, write and the round trip. The batch is traced (one jit per
+    case), so what is checked is the vectorised program a serving loop runs.
+    """
+
+    backend: ClassVar[str]
+    options: ClassVar[Any] = None
+    # float32 with exact (HIGHEST) matmuls from float32 inputs: far inside what
+    # the dense float32 row allows any backend.
+    atol: ClassVar[float] = 2e-6
+
+    def paged(self, **call: Any) -> Any:
+        args = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=PS, dtype="float32")
+        options = None if self.options is None else {self.backend: self.options}
+        return ab.registry.get_paged(backend=self.backend, backend_options=options,
+                                     **{**args, **call})
+
+    @staticmethod
+    def run(paged: Any, case: PagedCase) -> np.ndarray:
+        cache = paged.from_canonical(jnp.asarray(case.k_pages), jnp.asarray(case.v_pages))
+        return np.asarray(jax.jit(paged.__call__)(jnp.asarray(case.q), cache, case.batch()))
+
+    def agrees(self, seqs: Sequence[tuple[int, int]], *, call: dict[str, Any] | None = None,
+               **case_args: Any) -> np.ndarray:
+        """The backend on a case with garbage equals its zero-filled twin bitwise and
+        the oracle within ``atol``; padding rows are zeros."""
+        call = call or {}
+        hq, hkv = call.get("num_q_heads", 4), call.get("num_kv_heads", 2)
+        paged = self.paged(**call)
+        dirty = paged_case(seqs, page_size=PS, hq=hq, hkv=hkv, **case_args)
+        clean = paged_case(seqs, page_size=PS, hq=hq, hkv=hkv, garbage=False, **case_args)
+        out = self.run(paged, dirty)
+        assert np.isfinite(out).all()
+        np.testing.assert_array_equal(out, self.run(paged, clean))
+        expected = clean.expected(scale=paged.call.scale, softcap=paged.call.softcap,
+                                  window=paged.call.window)
+        np.testing.assert_allclose(out, expected, atol=self.atol, rtol=0)
+        assert not out[int(dirty.cu_q_lens[dirty.num_seqs]):].any()
+        return out
+
+    @pytest.mark.parametrize("kv_len", [1, PS - 1, PS, PS + 1, 3 * PS + 2, 9 * PS + 3])
+    @pytest.mark.parametrize("kind", ["prefill", "chunk", "decode"])
+    def test_lengths_around_a_page(self, kv_len: int, kind: str) -> None:
+        q_len = {"prefill": kv_len, "chunk": max(1, kv_len // 2), "decode": 1}[kind]
+        self.agrees([(q_len, kv_len)], pad_rows=1)
+
+    @pytest.mark.parametrize("order", ["random", "reversed", "shared"])
+    def test_page_orders(self, order: str) -> None:
+        self.agrees([(3, 11), (1, 7), (2, 11)], order=order, spare_pages=3)
+
+    def test_mixed_batch_in_any_order_with_uncounted_rows_and_empty_sequences(self) -> None:
+        # prefill, decode, zero new tokens, chunk, decode; the last two table rows
+        # are not counted (num_seqs=5) and hold garbage metadata.
+        seqs = [(6, 6), (1, 9), (0, 5), (3, 10), (1, 1), (4, 4), (2, 8)]
+        self.agrees(seqs, num_seqs=5, pad_rows=3, extra_cols=2)
+
+    def test_no_counted_sequence_gives_zeros(self) -> None:
+        self.agrees([(2, 3), (1, 4)], num_seqs=0, pad_rows=4)
+
+    @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
+    def test_gqa_and_mqa(self, heads: tuple[int, int]) -> None:
+        hq, hkv = heads
+        self.agrees([(3, 7), (1, 10)], call=dict(num_q_heads=hq, num_kv_heads=hkv))
+
+    @pytest.mark.parametrize("window", [0, 1, PS, 2 * PS + 1])
+    def test_window(self, window: int) -> None:
+        self.agrees([(5, 13), (1, 12), (9, 9), (1, 30)], call=dict(window=(window, None)))
+
+    def test_softcap_and_scale(self) -> None:
+        self.agrees([(5, 13), (1, 6)], call=dict(softcap=2.0, scale=0.9))
+
+    def test_the_same_sequence_at_two_positions_gives_the_same_answer(self) -> None:
+        paged = self.paged()
+        case = paged_case([(2, 9), (1, 3), (2, 9)], page_size=PS, order="shared")
+        case.q[3:5] = case.q[0:2]
+        out = self.run(paged, case)
+        np.testing.assert_array_equal(out[:2], out[3:5])
+        np.testing.assert_allclose(out, case.expected(), atol=self.atol, rtol=0)
+
+    def test_write_then_attend_and_write_exactness(self) -> None:
+        """Prefill by writing every token, then a decode step writing its own key
+        first: each token lands where its slot says, padding slots write nothing."""
+        paged = self.paged()
+        case = paged_case([(3, 6), (1, 9)], page_size=PS, garbage=False)
+        cache = paged.init_cache(case.k_pages.shape[0])
+        pad = np.full(3, -1, np.int32)
+        slots = np.concatenate([case.slots, pad])
+        k = np.concatenate([case.k_rows, np.full((3, 2, 8), np.nan, np.float32)])
+        v = np.concatenate([case.v_rows, np.full((3, 2, 8), np.inf, np.float32)])
+        before = [np.asarray(x) for x in paged.to_canonical(cache)]  # donated below
+        cache = jax.jit(paged.write, donate_argnums=0)(cache, jnp.asarray(k), jnp.asarray(v),
+                                                       jnp.asarray(slots))
+        after = paged.to_canonical(cache)
+        for pool, want, old in zip(after, (case.k_pages, case.v_pages), before, strict=True):
+            np.testing.assert_array_equal(np.asarray(pool), want)  # written exactly, pad never
+            flat, old = np.asarray(pool).reshape(-1, 2, 8), np.asarray(old).reshape(-1, 2, 8)
+            rest = np.setdiff1d(np.arange(flat.shape[0]), case.slots)
+            np.testing.assert_array_equal(flat[rest], old[rest])
+        out = np.asarray(jax.jit(paged.__call__)(jnp.asarray(case.q), cache, case.batch()))
+        np.testing.assert_allclose(out, case.expected(), atol=self.atol, rtol=0)
+
+    def test_float64_under_x64_computes_in_float64(self) -> None:
+        case = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1)
+        with jax.enable_x64(True):
+            paged = self.paged(dtype="float64")
+            cache = paged.from_canonical(*(jnp.asarray(x, jnp.float64)
+                                           for x in (case.k_pages, case.v_pages)))
+            out = jax.jit(paged.__call__)(jnp.asarray(case.q, jnp.float64), cache, case.batch())
+            assert out.dtype == jnp.float64
+            out = np.asarray(out)
+        clean = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1, garbage=False)
+        np.testing.assert_allclose(out, clean.expected(), atol=1e-12, rtol=0)
+
+    def test_layout_round_trip_is_exact(self) -> None:
+        paged = self.paged(dtype="bfloat16")
+        case = paged_case([(2, 7)], page_size=PS)
+        k, v = (jnp.asarray(x, jnp.bfloat16) for x in (case.k_pages, case.v_pages))
+        cache = paged.from_canonical(k, v)
+        assert cache.layout == ab.CANONICAL_LAYOUT
+        back = paged.to_canonical(cache)
+        for a, b in zip(back, (k, v), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def _oracle_attend(call: ab.PagedCall, q: Any, k_pages: Any, v_pages: Any,

@@ -47,6 +47,7 @@ __all__ = [
     "dropout_keep_at",
     "dropout_seed",
     "manifest",
+    "paged_rows",
     "refuse",
     "resolve_options",
 ]
@@ -110,6 +111,27 @@ def resolve_options(options: object, expected: type[T], default: Callable[[], T]
             f"options: expected {public} or None, got {type(options).__name__}"
         )
     return options
+
+
+def paged_rows(batch: Any, rows: int) -> tuple[Any, Any, Any]:
+    """Per query row of a :class:`~attn_backends.PagedBatch`: the sequence owning
+    it, whether one does, and its key position, each int32/bool ``[rows]``.
+
+    Entries of ``cu_q_lens`` past ``num_seqs`` may be anything: they are replaced
+    by the largest int, so the search never lands on an uncounted sequence. Row
+    j of sequence s sits at position ``kv_lens[s] - q_len_s + j``; an unowned
+    row's sequence and position are those of some counted or clipped row, so a
+    caller masks them with ``owned``.
+    """
+    import jax.numpy as jnp
+
+    cu, num = batch.cu_q_lens, batch.num_seqs
+    counted = jnp.arange(cu.shape[0]) <= num
+    ends = jnp.where(counted, cu, jnp.iinfo(jnp.int32).max)
+    t = jnp.arange(rows)
+    seq = jnp.clip(jnp.searchsorted(ends, t, side="right") - 1, 0, batch.kv_lens.shape[0] - 1)
+    q_len = cu[seq + 1] - cu[seq]
+    return seq, t < cu[num], batch.kv_lens[seq] - q_len + (t - cu[seq])
 
 
 def refuse(backend: str, call: AttentionCall, reasons: Sequence[str]) -> None:

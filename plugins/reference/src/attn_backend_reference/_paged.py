@@ -8,21 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from attn_backends import KVCache, PagedBatch, PagedCall
+from attn_backends.authoring import paged_rows
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def row_sequences(batch: PagedBatch, rows: int) -> tuple[jax.Array, jax.Array]:
-    """Per query row: the sequence owning it ``[T]`` and whether one does ``[T]``.
-
-    Entries of ``cu_q_lens`` past ``num_seqs`` may be anything: they are replaced
-    by the largest int, so the search never lands on an uncounted sequence."""
-    cu, num = batch.cu_q_lens, batch.num_seqs
-    counted = jnp.arange(cu.shape[0]) <= num
-    ends = jnp.where(counted, cu, jnp.iinfo(jnp.int32).max)
-    t = jnp.arange(rows)
-    seq = jnp.clip(jnp.searchsorted(ends, t, side="right") - 1, 0, batch.kv_lens.shape[0] - 1)
-    return seq, t < cu[num]
 
 
 def paged_attention(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch) -> Any:
@@ -46,9 +34,7 @@ def paged_attention(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch) 
     keys, values = (
         jnp.where(filled, x[table].reshape(seqs, length, call.kv_heads, call.head_dim), 0)
         for x in (k_pages, v_pages))
-    seq, owned = row_sequences(batch, rows)
-    q_len = batch.cu_q_lens[seq + 1] - batch.cu_q_lens[seq]
-    row_pos = batch.kv_lens[seq] - q_len + (jnp.arange(rows) - batch.cu_q_lens[seq])
+    seq, owned, row_pos = paged_rows(batch, rows)
     visible = (pos[None, :] <= row_pos[:, None]) & owned[:, None]
     if call.window is not None:
         visible &= pos[None, :] >= row_pos[:, None] - call.window[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attn_backends import AttentionCall
+from attn_backends import AttentionCall, PagedCall
 
 # Large blocks amortise the per-iteration overhead of XLA loops (and, on
 # accelerators, kernel launches); the budget caps one logits tile, which holds
@@ -83,3 +83,25 @@ def _fit(call: AttentionCall, platform: str, block_q: int, block_kv: int) -> tup
         else:
             break
     return block_q, block_kv
+
+
+#: Keys one block holds by default: enough to amortise a loop iteration, small
+#: enough that a decode step's gather stays a few rows of the cache.
+_BLOCK_KEYS = 128
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Pages per block of the paged kernel (``pages_per_block`` >= 1)."""
+
+    pages_per_block: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pages_per_block, int) or self.pages_per_block < 1:
+            raise ValueError(f"PagedConfig: pages_per_block must be an int >= 1, "
+                             f"got {self.pages_per_block!r}")
+
+    @classmethod
+    def default_for(cls, call: PagedCall) -> PagedConfig:
+        """About :data:`_BLOCK_KEYS` keys per block, at least one page."""
+        return cls(max(1, _BLOCK_KEYS // call.page_size))

@@ -5,7 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 import attn_backends
-from attn_backends import CLAIMABLE_DTYPES, FEATURES, PLATFORMS, AttentionCall, Backend, Operands
+from attn_backends import (
+    CLAIMABLE_DTYPES,
+    FEATURES,
+    PLATFORMS,
+    AttentionCall,
+    Backend,
+    KVCache,
+    Operands,
+    PagedBackend,
+    PagedBatch,
+    PagedCall,
+    PagedCapabilities,
+)
 from attn_backends.authoring import (
     distribution_version,
     dropout_keep,
@@ -13,19 +25,23 @@ from attn_backends.authoring import (
     resolve_options,
 )
 
-from ._config import BlockConfig
+from ._config import BlockConfig, PagedConfig
 
 #: Platforms BlockConfig has default blocks for.
 _BLOCK_PLATFORMS = ("cpu", "gpu", "tpu")
 
 
-class XlaNativeBackend(Backend):
+class XlaNativeBackend(Backend, PagedBackend):
     """Blockwise attention in plain JAX (online softmax, recomputing custom VJP).
 
     Memory is linear in sequence length forward and backward; work follows
     the visible area (fully hidden blocks under causal, window and kv lengths
     are skipped). ``options``: a :class:`BlockConfig`, or None for
     :meth:`BlockConfig.default_for`.
+
+    Paged calls too (:meth:`attend_paged`), on the canonical cache layout, blockwise
+    over pages; their ``options``: a :class:`PagedConfig`, or None for
+    :meth:`PagedConfig.default_for`.
     """
 
     name = "xla_native"
@@ -40,6 +56,12 @@ class XlaNativeBackend(Backend):
     )
     priority = {"cpu": 50, "gpu": 50, "tpu": 50}
     hlo_marker = "xla_native_forward"
+    # Any page size, head dim and batch shape (mixed prefill and decode), every
+    # dtype as in the dense manifest (float64 in float64); init_cache, write and
+    # the canonical round trip are PagedBackend's canonical-layout defaults.
+    paged_capabilities = PagedCapabilities(platforms=PLATFORMS, dtypes=CLAIMABLE_DTYPES,
+                                           gqa=True, softcap=True, window=True,
+                                           jax_versions=">=0.10,<0.13")
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                options: Any = None) -> Any:
@@ -62,6 +84,14 @@ class XlaNativeBackend(Backend):
         blocks = resolve_options(options, BlockConfig, default)
         out, lse = blockwise_attention(call, q, k, v, operands, blocks)
         return (out, lse) if call.return_lse else out
+
+    def attend_paged(self, call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
+                     options: Any = None) -> Any:
+        """Paged attention blockwise over pages; see :class:`attn_backends.PagedBackend`."""
+        from ._paged import paged_attention
+
+        config = resolve_options(options, PagedConfig, lambda: PagedConfig.default_for(call))
+        return paged_attention(call, q, cache, batch, config)
 
     def dropout_keep(self, call: AttentionCall, key: Any) -> Any:
         """The keep-mask ``attend`` applies, bool ``[B, Hq, Tq, Tk]``: the bits each

@@ -1,0 +1,93 @@
+"""xla_native's paged attention (docs/DESIGN.md, "Paged attention"): the shared
+case set against the float64 oracle (tests/_paged_support.py's
+:class:`PagedCases`) with blocks of 2 pages, so sequences cross several blocks
+and a block several pages, and with its default blocks; selection on cpu; and
+temporary memory that does not grow with the pool.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attn_backends as ab
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _paged_support import PS, PagedCases, paged_case
+from attn_backend_xla_native import PagedConfig
+from attn_backends.oracle import paged_attention as oracle
+
+
+class TestXlaNativePagedSmallBlocks(PagedCases):
+    backend = "xla_native"
+    options = PagedConfig(pages_per_block=2)
+
+
+class TestXlaNativePagedOnePagePerBlock(PagedCases):
+    backend = "xla_native"
+    options = PagedConfig(pages_per_block=1)
+
+
+class TestXlaNativePagedDefaultBlocks(PagedCases):
+    backend = "xla_native"
+
+
+def test_cpu_selection_picks_xla_native_over_reference():
+    paged = ab.registry.get_paged(device="cpu", num_q_heads=8, num_kv_heads=2, head_dim=16,
+                                  page_size=16, dtype="bfloat16", softcap=30.0,
+                                  window=(64, None))
+    assert paged.backend.name == "xla_native"
+    verdicts = {v.backend: v for v in paged.explain().verdicts}
+    assert "reference" in verdicts
+
+
+def test_pages_per_block_is_checked():
+    with pytest.raises(ValueError, match="pages_per_block must be an int >= 1, got 0"):
+        PagedConfig(pages_per_block=0)
+
+
+def _temp_bytes(num_pages: int) -> int:
+    """Compile (never run) a decode step of 8 sequences on a pool of ``num_pages``."""
+    paged = ab.registry.get_paged(backend="xla_native", num_q_heads=8, num_kv_heads=2,
+                                  head_dim=64, page_size=16, dtype="float32")
+    pool = jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32)
+    cache = jax.eval_shape(paged.from_canonical, pool, pool)
+    i32 = jnp.int32
+    batch = ab.PagedBatch(jax.ShapeDtypeStruct((9,), i32), jax.ShapeDtypeStruct((8,), i32),
+                          jax.ShapeDtypeStruct((8, 32), i32), jax.ShapeDtypeStruct((), i32))
+    q = jax.ShapeDtypeStruct((8, 8, 64), jnp.float32)
+    compiled = jax.jit(paged.__call__).lower(q, cache, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_temporary_memory_does_not_grow_with_the_pool():
+    small, large = _temp_bytes(64), _temp_bytes(1024)
+    assert small == large
+    # No copy of the pool: far below the 1024-page pool's K alone (its rows' blocks
+    # of K and V, 8 rows * 128 keys each, are about 1 MiB).
+    assert large < 1024 * 16 * 2 * 64 * 4 // 4
+
+
+def test_the_readme_example_runs_on_xla_native_and_agrees_with_the_oracle():
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    block = readme.split("## Serving: paged KV cache", 1)[1].split("```python\n", 1)[1]
+    scope: dict = {}
+    exec(compile(block.split("```", 1)[0].replace("print(", "str("), "README.md (paged)",
+                 "exec"), scope)
+    k_pages, v_pages = scope["paged"].to_canonical(scope["cache"])
+    expected = oracle(scope["q"], k_pages, v_pages, *scope["batch"])
+    np.testing.assert_allclose(np.asarray(scope["out"]), expected, atol=PagedCases.atol, rtol=0)
+    assert scope["paged"].backend.name == "xla_native"
+
+
+def test_a_long_sequence_crosses_many_blocks_in_a_mixed_step():
+    """Blocks of 3 pages over sequences of up to 11 blocks, next to a decode step."""
+    paged = ab.registry.get_paged(backend="xla_native", backend_options={
+        "xla_native": PagedConfig(pages_per_block=3)}, num_q_heads=4, num_kv_heads=2,
+        head_dim=8, page_size=PS, dtype="float32", window=(37, None))
+    case = paged_case([(40, 130), (1, 77), (7, 7)], page_size=PS, pad_rows=2)
+    cache = paged.from_canonical(jnp.asarray(case.k_pages), jnp.asarray(case.v_pages))
+    out = np.asarray(jax.jit(paged.__call__)(jnp.asarray(case.q), cache, case.batch()))
+    np.testing.assert_allclose(out, case.expected(window=(37, None)), atol=PagedCases.atol,
+                               rtol=0)

@@ -11,14 +11,13 @@ interpret mode, when they declare paged support).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
 
 import attn_backends as ab
 import pytest
+from _paged_support import INTERPRET, paged_servers
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "serving", "serve.py")
 _spec = importlib.util.spec_from_file_location("serving_example", _PATH)
@@ -28,34 +27,10 @@ _spec.loader.exec_module(serve)
 
 CFG = serve.CONFIG
 REGISTRY = ab.Registry(probe=None)
-#: The switches that let the Pallas kernels serve cpu, emulated (slow; for tests).
-INTERPRET = ("ATTN_BACKENDS_PALLAS_INTERPRET", "ATTN_BACKENDS_TRITON_INTERPRET")
-PAGED_CALL = dict(num_q_heads=CFG.heads, num_kv_heads=CFG.kv_heads,
-                  head_dim=CFG.d_model // CFG.heads, page_size=4, dtype="float32")
 PAGE_SIZE, NUM_PAGES, MAX_SEQS, CHUNK = 4, 12, 4, 8
-
-
-@contextlib.contextmanager
-def _interpret() -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in INTERPRET}
-    os.environ.update(dict.fromkeys(INTERPRET, "1"))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
-
-
-def _serving(device: str) -> list[str]:
-    with _interpret():
-        verdicts = REGISTRY.explain_paged(device=device, **PAGED_CALL).verdicts
-    return [v.backend for v in verdicts if v.accepted]
-
-
-BACKENDS = _serving("cpu")
+PAGED_CALL = dict(num_q_heads=CFG.heads, num_kv_heads=CFG.kv_heads,
+                  head_dim=CFG.d_model // CFG.heads, page_size=PAGE_SIZE, dtype="float32")
+BACKENDS = paged_servers(REGISTRY, "cpu", **PAGED_CALL)
 
 
 def test_every_paged_backend_serves_the_example_on_cpu() -> None:
@@ -63,7 +38,7 @@ def test_every_paged_backend_serves_the_example_on_cpu() -> None:
     # A Pallas backend that serves this call on its own platform serves it on
     # cpu in interpret mode too, so the token-for-token test below runs it.
     for name, platform in (("flash_pallas", "tpu"), ("flash_triton", "gpu")):
-        if name in REGISTRY.backends and name in _serving(platform):
+        if name in REGISTRY.backends and name in paged_servers(REGISTRY, platform, **PAGED_CALL):
             assert name in BACKENDS, f"{name} serves {platform} but not cpu in interpret mode"
 
 

@@ -20,6 +20,7 @@ trained model. README.md (beside this file) walks through the contract.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import sys
@@ -272,22 +273,18 @@ def decode_alone(params: nnx.State, vocab: int, prompt: Sequence[int], max_new: 
     return tokens[len(prompt):]
 
 
-_FULL_FORWARD: dict[tuple[Any, int], Any] = {}
-
-
+@functools.cache
 def _full_forward(cfg: Any, vocab: int) -> Any:
     """jit(params, tokens [1, seq] -> greedy next token at every position [seq])."""
-    if (cfg, vocab) not in _FULL_FORWARD:
-        abstract = nnx.eval_shape(
-            lambda: transformer.Model(cfg, vocab, nnx.dot_product_attention, nnx.Rngs(0)))
-        graphdef, _ = nnx.split(abstract, nnx.Param)
+    abstract = nnx.eval_shape(
+        lambda: transformer.Model(cfg, vocab, nnx.dot_product_attention, nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract, nnx.Param)
 
-        @jax.jit
-        def run(params: nnx.State, tokens: jax.Array) -> jax.Array:
-            return jnp.argmax(nnx.merge(graphdef, params)(tokens)[0], axis=-1)
+    @jax.jit
+    def run(params: nnx.State, tokens: jax.Array) -> jax.Array:
+        return jnp.argmax(nnx.merge(graphdef, params)(tokens)[0], axis=-1)
 
-        _FULL_FORWARD[cfg, vocab] = run
-    return _FULL_FORWARD[cfg, vocab]
+    return run
 
 
 def demo_requests(lengths: Sequence[int] = (3, 20, 7, 12, 5), max_new: int = 8,

@@ -72,6 +72,7 @@ demo: install
 	$(VENV)/bin/attn-backends explain --device cpu --q 2,256,8,64 --kv 2,256,2,64 --causal
 	$(PY) examples/demo.py
 	$(PY) examples/transformer/train.py --steps 20
+	$(PY) examples/serving/serve.py
 
 # Stages: the main pytest; the multidevice tests and certifications on jax 0.12
 # (the compatibility environment installs beside them); the compatibility

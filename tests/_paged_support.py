@@ -4,7 +4,9 @@ says it never matters, the case set every paged backend's tests run
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -17,6 +19,33 @@ from _support import ALL_FEATURES
 from attn_backends import Backend, Capabilities, KVCache, PagedBackend, PagedCapabilities
 from attn_backends.authoring import canonical_write
 from attn_backends.oracle import paged_attention as oracle
+
+#: The switches that let the Pallas kernels serve cpu, emulated (slow; for tests).
+INTERPRET = ("ATTN_BACKENDS_PALLAS_INTERPRET", "ATTN_BACKENDS_TRITON_INTERPRET")
+
+
+@contextlib.contextmanager
+def interpret_switches() -> Iterator[None]:
+    """Both Pallas interpret switches on inside the block (the environment restored after)."""
+    saved = {name: os.environ.get(name) for name in INTERPRET}
+    os.environ.update(dict.fromkeys(INTERPRET, "1"))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def paged_servers(registry: ab.Registry, device: str, **call: Any) -> list[str]:
+    """The backends that accept the paged ``call`` on ``device``, the Pallas ones
+    judged in interpret mode (so on cpu they count when they serve it emulated)."""
+    with interpret_switches():
+        verdicts = registry.explain_paged(device=device, **call).verdicts
+    return [v.backend for v in verdicts if v.accepted]
+
 
 #: What the garbage is made of: NaN in floats, an index no pool has in ints.
 BAD_INDEX = 2**30

@@ -63,6 +63,11 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.norm1(x), is_causal=True)
+        return self.feed_forward(x)
+
+    def feed_forward(self, x: jax.Array) -> jax.Array:
+        """The MLP half of the block, residual included: x ``[..., d_model]`` -> same.
+        Its own method so that examples/serving can run the attention half its way."""
         return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
 
 

@@ -1,0 +1,91 @@
+"""examples/serving: continuous batching over the paged cache decodes, token for
+token, what the same model decodes for each request alone without a cache.
+
+Five requests (prompts of 3 to 20 characters, 8 new tokens each) arrive two
+steps apart into a pool too small for all of them at once, so requests wait
+for pages and reuse the pages of those that left; each step packs decode rows
+and prefill chunks (at most 8 prompt tokens a step) into one ragged batch. Run
+on every backend that serves this paged call on cpu (the Pallas ones in
+interpret mode, when they declare paged support).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import attn_backends as ab
+import pytest
+from _paged_support import INTERPRET, paged_servers
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "serving", "serve.py")
+_spec = importlib.util.spec_from_file_location("serving_example", _PATH)
+serve = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = serve  # its dataclasses look their module up
+_spec.loader.exec_module(serve)
+
+CFG = serve.CONFIG
+REGISTRY = ab.Registry(probe=None)
+PAGE_SIZE, NUM_PAGES, MAX_SEQS, CHUNK = 4, 12, 4, 8
+PAGED_CALL = dict(num_q_heads=CFG.heads, num_kv_heads=CFG.kv_heads,
+                  head_dim=CFG.d_model // CFG.heads, page_size=PAGE_SIZE, dtype="float32")
+BACKENDS = paged_servers(REGISTRY, "cpu", **PAGED_CALL)
+
+
+def test_every_paged_backend_serves_the_example_on_cpu() -> None:
+    assert {"reference", "xla_native"} <= set(BACKENDS), BACKENDS
+    # A Pallas backend that serves this call on its own platform serves it on
+    # cpu in interpret mode too, so the token-for-token test below runs it.
+    for name, platform in (("flash_pallas", "tpu"), ("flash_triton", "gpu")):
+        if name in REGISTRY.backends and name in paged_servers(REGISTRY, platform, **PAGED_CALL):
+            assert name in BACKENDS, f"{name} serves {platform} but not cpu in interpret mode"
+
+
+@pytest.fixture(scope="module")
+def model():
+    _, vocab = serve.transformer.load_corpus()
+    return serve.transformer.init_state(CFG, vocab), vocab
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return serve.demo_requests(lengths=(3, 20, 7, 12, 5), max_new=8)
+
+
+@pytest.fixture(scope="module")
+def alone(model, requests):
+    params, vocab = model
+    return {r.id: serve.decode_alone(params, vocab, r.prompt, r.max_new) for r in requests}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_decodes_what_each_request_decodes_alone(backend, model, requests, alone,
+                                                       monkeypatch) -> None:
+    for name in INTERPRET:
+        monkeypatch.setenv(name, "1")
+    params, vocab = model
+    engine = serve.Engine(params, vocab, page_size=PAGE_SIZE, num_pages=NUM_PAGES,
+                          max_seqs=MAX_SEQS, chunk_budget=CHUNK, device="cpu",
+                          backend=backend, registry=REGISTRY)
+    outputs = engine.run(requests)
+    assert outputs == alone
+
+    # The structure the equality has to hold through.
+    prompt = {r.id: len(r.prompt) for r in requests}
+    kinds = [{"decode" if p >= prompt[i] else "prefill" for i, p, _ in rec.work}
+             for rec in engine.records]
+    assert {"decode", "prefill"} in kinds, "no step mixes prefill chunks and decode rows"
+    longest = max(prompt, key=prompt.get)
+    chunks = [n for rec in engine.records for i, p, n in rec.work if i == longest and p < prompt[i]]
+    assert len(chunks) >= 3 and max(chunks) <= CHUNK, chunks
+    first = {}
+    for rec in engine.records:
+        for i, _, _ in rec.work:
+            first.setdefault(i, rec.step)
+    assert any(first[r.id] > r.arrival for r in requests), "no request waited"
+    # Together they need more pages than the pool has: served only by reusing pages.
+    assert sum(serve.pages_needed(r, PAGE_SIZE) for r in requests) > NUM_PAGES
+    assert sorted(engine.free) == list(range(NUM_PAGES)), "pages not all returned"
+    # Rows are padded to a few static sizes: one compiled program per size.
+    assert engine._step._cache_size() == len({rec.rows for rec in engine.records}) <= 2

@@ -1,28 +1,26 @@
-"""Decode calls (a few query rows against a KV cache) through JAX's paged-attention kernel.
+"""Decode calls (a few query rows against a KV cache) through a Pallas TPU kernel of our own.
 
-``jax.experimental.pallas.ops.tpu.paged_attention`` reads each kv head's cache
-once for all the query heads of its group and stops at each sequence's length,
-where splash pads the one query row up to a 128-row block. A contiguous cache is
-a paged cache with an identity page table: the cache ``[B, Tk, Hkv, D]`` becomes
-``[Hkv, B * pages, PAGE, D]`` and sequence b owns pages ``b*pages ...``.
+Splash would pad the one query row of a decode step up to a 128-row block;
+``_decode_kernel`` reads each kv head's keys once for all the query heads of
+its group and stops at each example's length. It reads the cache ``[B, Tk,
+Hkv, D]`` as it lies (viewed as ``[B, Tk, Hkv*D]``): no transpose, pad or copy
+of K or V outside the kernel. Until this module had its own kernel it used JAX's
+``paged_attention``, which needs pages ``[Hkv, pages, 128, D]``, so every call
+transposed all of K and V first (the README has the export's before and after).
 
-What the kernel does that the adapter has to answer for (read from its source
-in jax 0.10.2 and 0.12.0.1):
+What the adapter answers for:
 
-- it rounds K and V to **bfloat16** when it loads them (``_maybe_dequantize``
-  casts to bfloat16 when no quantisation scales are given), so only bfloat16
-  calls come here; a float32 cache would lose about three digits;
-- it keeps the running output in **q's dtype** and re-normalises it after every
-  block of keys; with a bfloat16 q (taken as is when the group size is a
-  multiple of 8) that rounds the output once per block. q is passed in float32,
-  so the accumulator is float32 and the output is rounded once, at the end;
-- it does not **scale** the logits: q arrives multiplied by ``scale``, so
-  softcap applies to ``scale * q·k`` as the contract says;
-- one query row per sequence, masked by a length ``[B]``: the Tq rows of a call
-  become Tq sequences sharing one page table, each with its own length
-  (causal and a window's right side shorten it; rows past ``q_lengths`` get 0,
-  which the kernel returns as zeros without reading a key). Every row reads
-  its pages again, which is why only calls with ``Tq <= DECODE_MAX_Q`` come here;
+- the kernel widens K and V to float32 and accumulates in float32, so float32
+  and bfloat16 calls both come here (the output is rounded to q's dtype once);
+- it does not **scale** the logits: q arrives multiplied by ``scale`` in
+  float32, so softcap applies to ``scale * q·k`` as the contract says;
+- it masks by one length per query row (``row_lengths``: causal and a window's
+  right side shorten it; rows past ``q_lengths`` get 0 and give zeros). A
+  window's left side and segment ids are not lengths, so those calls stay on
+  splash; so do calls with more than ``DECODE_MAX_Q`` rows;
+- hidden keys are not zeroed first (splash's path does that): the kernel
+  replaces hidden logits and zeroes V rows past the longest length itself, so
+  NaN or Inf there never reaches the output;
 - no logsumexp out and **no backward**. The kernel is the primal of a
   ``custom_vjp`` whose forward and backward rules are the splash path: a call
   that is only evaluated runs this kernel; a call that is differentiated runs
@@ -35,29 +33,33 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attn_backends import AttentionCall, Operands
 
-from . import _sanitize
 from ._config import LANES
 
-#: Calls with at most this many query rows are decode calls. Each row re-reads
-#: its kv head's pages, so past a few rows splash (one read per q block) wins;
-#: 8 covers speculative decoding. Not measured on a TPU.
+if TYPE_CHECKING:
+    from ._decode_kernel import DecodeKernelPlan
+
+#: Calls with at most this many query rows are decode calls. Each row adds G
+#: rows to the kernel's matmuls while the cache is read once, so a few rows
+#: cost little; past that splash (blocks of 128 rows) serves. 8 covers
+#: speculative decoding. Not measured on a TPU.
 DECODE_MAX_Q = 8
-#: Tokens per page, and the most pages one kernel step reads (512 keys).
-PAGE = LANES
-BLOCK_PAGES = 4
+#: Keys per kernel step on a TPU, and the VMEM one K (or V) buffer may take:
+#: K and V are double-buffered, so the blocks take 4x this.
+BLOCK_K = 512
+BLOCK_BYTES = 1 << 20
+#: Keys per step in interpret mode: small, so short test caches span several blocks.
+INTERPRET_BLOCK_K = LANES
 
 
 def declines(call: AttentionCall) -> list[str]:
-    """Why ``call`` goes to splash instead of the paged kernel (empty: paged serves it)."""
+    """Why ``call`` goes to splash instead of the decode kernel (empty: the kernel serves it)."""
     reasons = []
     if call.q_len > DECODE_MAX_Q:
         reasons.append(f"Tq={call.q_len} > {DECODE_MAX_Q}")
-    if call.dtype != "bfloat16":
-        reasons.append(f"dtype {call.dtype}: the kernel rounds K and V to bfloat16")
     if call.return_lse:
         reasons.append("return_lse: the kernel returns no logsumexp")
     if call.segment_ids:
@@ -70,21 +72,17 @@ def declines(call: AttentionCall) -> list[str]:
     return reasons
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodePlan:
-    """Static shape of one paged-kernel instance: padded cache length, block, softcap."""
+def block_k(call: AttentionCall, interpret: bool) -> int:
+    """Keys per grid step: all of Tk when it fits one block, else a multiple of 8.
 
-    kv_len: int
-    block_pages: int
-    softcap: float | None
-    interpret: bool
-
-    @classmethod
-    def for_call(cls, call: AttentionCall, interpret: bool) -> DecodePlan:
-        pages = -(-call.kv_len // PAGE)
-        block = min(BLOCK_PAGES, pages)
-        kv_len = -(-pages // block) * block * PAGE
-        return cls(kv_len=kv_len, block_pages=block, softcap=call.softcap, interpret=interpret)
+    Mosaic takes a block dim that equals the array's, or one divisible by 8
+    (the K/V block's second-minor dim); Tk need not be a multiple of it.
+    """
+    itemsize = 2 if call.dtype == "bfloat16" else 4
+    row_bytes = call.kv_heads * call.head_dim * itemsize
+    block = INTERPRET_BLOCK_K if interpret else BLOCK_K
+    block = max(8, min(block, BLOCK_BYTES // row_bytes // 8 * 8))
+    return call.kv_len if call.kv_len <= block else block
 
 
 def row_lengths(call: AttentionCall, operands: Operands) -> Any:
@@ -112,53 +110,60 @@ def row_lengths(call: AttentionCall, operands: Operands) -> Any:
     return lengths
 
 
-def _paged_one(plan: DecodePlan, q: Any, k: Any, v: Any, lengths: Any) -> tuple[Any]:
+def _decode_one(plan: DecodeKernelPlan, q: Any, k: Any, v: Any, lengths: Any) -> tuple[Any]:
     """q ``[B, Tq, Hq, D]`` float32 (scaled), k/v ``[B, Tk, Hkv, D]``, lengths
-    ``[B, Tq]`` -> (out ``[B, Tq, Hq, D]`` float32,)."""
+    ``[B, Tq]`` -> (out ``[B, Tq, Hq, D]`` float32,).
+
+    Only q and the output change layout here (small); K and V are reshaped by
+    merging their two minor dims, which moves no data.
+    """
     import jax.numpy as jnp
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    from ._decode_kernel import decode_fn
 
     b, tq, hq, d = q.shape
-    pages = plan.kv_len // PAGE
-
-    def to_pages(x: Any) -> Any:
-        x = jnp.pad(x, ((0, 0), (0, plan.kv_len - x.shape[1]), (0, 0), (0, 0)))
-        return x.transpose(2, 0, 1, 3).reshape(x.shape[2], b * pages, PAGE, d)
-
-    # Identity page table, one row per query row: row (b, i) reads b's pages.
-    table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, 1, pages)
-    table = jnp.broadcast_to(table, (b, tq, pages)).reshape(b * tq, pages)
-    out = paged_attention(
-        q.reshape(b * tq, hq, d), to_pages(k), to_pages(v), lengths.reshape(b * tq), table,
-        pages_per_compute_block=plan.block_pages, attn_logits_soft_cap=plan.softcap,
+    hkv, g = plan.kv_heads, plan.group
+    # Row i*G + g of kv head h is query row i, head h*G + g.
+    q = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, plan.rows - tq * g), (0, 0)))
+    lengths = lengths.astype(jnp.int32)
+    out = decode_fn(plan)(
+        q, k.reshape(b, k.shape[1], hkv * d), v.reshape(b, v.shape[1], hkv * d),
+        lengths.reshape(b * tq), jnp.max(lengths, axis=1),
     )
+    out = out[:, :, : tq * g].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)
     return (out.reshape(b, tq, hq, d),)
 
 
 @functools.lru_cache(maxsize=64)
-def _paged_fn(plan: DecodePlan) -> Callable[..., tuple[Any]]:
-    """The kernel over the batch, vmap folded into it; emulated on cpu in interpret mode.
+def _decode_fn(plan: DecodeKernelPlan) -> Callable[..., tuple[Any]]:
+    """The kernel over the batch, vmap folded into it; interpreted on cpu when asked.
 
-    Pallas' TPU interpret mode (``force_tpu_interpret_mode``) is needed here:
-    ``paged_attention`` takes no ``interpret`` argument. The switch is read when
-    the kernel is traced, so only the cpu branch of ``platform_dependent`` gets
-    the emulator; a TPU lowering gets the Mosaic kernel.
+    ``lax.platform_dependent`` picks the branch when lowering: with
+    ``plan.interpret`` the cpu branch runs the kernel in Pallas' interpreter
+    (``interpret=True``) and a TPU lowering still gets the Mosaic kernel.
     """
     import jax
-    from jax.experimental.pallas import tpu as pltpu
 
     from ._kernel import _batch_as_leading
 
-    compiled = functools.partial(_paged_one, plan)
+    compiled = functools.partial(_decode_one, dataclasses.replace(plan, interpret=False))
     if not plan.interpret:
         return _batch_as_leading(compiled)
-
-    def emulated(*args: Any) -> tuple[Any]:
-        with pltpu.force_tpu_interpret_mode():
-            return compiled(*args)
-
+    emulated = functools.partial(_decode_one, plan)
     return _batch_as_leading(
         lambda *args: jax.lax.platform_dependent(*args, cpu=emulated, default=compiled)
+    )
+
+
+def kernel_plan(call: AttentionCall, interpret: bool) -> DecodeKernelPlan:
+    """The static shape of the decode kernel for ``call``."""
+    from ._decode_kernel import DecodeKernelPlan
+
+    return DecodeKernelPlan(
+        q_len=call.q_len, group=call.q_heads // call.kv_heads, kv_heads=call.kv_heads,
+        head_dim=call.head_dim, block_k=block_k(call, interpret), softcap=call.softcap,
+        interpret=interpret,
     )
 
 
@@ -183,16 +188,16 @@ def run(
     import jax
     import jax.numpy as jnp
 
-    paged = _paged_fn(DecodePlan.for_call(call, interpret))
+    decode = _decode_fn(kernel_plan(call, interpret))
 
     @jax.custom_vjp
     def attend(q: Any, k: Any, v: Any, operands: Operands) -> Any:
+        # No zeroing of hidden keys here (splash needs it, _sanitize): the
+        # kernel replaces hidden logits and zeroes unused V rows itself, and a
+        # where over the cache would copy it.
         lengths = row_lengths(call, operands)
-        # Keys no live row sees are zeroed: the kernel masks the tail of its
-        # last block additively (``qk + mask_value``), which a huge key defeats.
-        k, v = _sanitize.hide_keys(call, k, v, operands)
         q32 = q.astype(jnp.float32) * jnp.float32(call.scale)
-        (out,) = paged(q32, k, v, lengths)
+        (out,) = decode(q32, k, v, lengths)
         return out.astype(q.dtype)
 
     def attend_fwd(q: Any, k: Any, v: Any, operands: Operands) -> tuple[Any, Any]:

@@ -31,7 +31,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..contract.backend import Backend
 from ..contract.call import AttentionCall
+from ..contract.environment import device_kind, versions
+from .digests import code_digests
 from .store import write_atomically
 
 #: Version of the file's layout; a file of another format is refused with a message.
@@ -299,3 +302,24 @@ def lookup(table: TuningTable, call: AttentionCall, grad: bool,
 def now_stamp() -> str:
     """The date an entry is measured at (UTC, ISO 8601 to the second)."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def environment(platform: str) -> dict[str, str | None]:
+    """This process's environment for ``platform`` (:data:`ENVIRONMENT_FIELDS`)."""
+    found = versions()
+    return {"platform": platform, "device_kind": device_kind(platform), "jax": found["jax"],
+            "jaxlib": found["jaxlib"], "libtpu": found["libtpu"]}
+
+
+def identity(backends: Mapping[str, Backend]) -> Identity:
+    """``name -> {"version", "backend", "core"}`` of the installed ``backends``."""
+
+    def of(name: str) -> dict[str, str | None] | None:
+        backend = backends.get(name)
+        if backend is None:
+            return None
+        digests = code_digests(backend)
+        return {"version": backend.version, "backend": digests["backend"],
+                "core": digests["core"]}
+
+    return of

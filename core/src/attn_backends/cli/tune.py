@@ -13,6 +13,7 @@ it reads what this wrote (docs/DESIGN.md, "Measured selection").
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -165,3 +166,80 @@ def tune(registry: Any, signatures: Sequence[Signature], platform: str, *,
         if entry is not None:
             table.add(environment, entry)
     return table
+
+
+def signatures_from_args(args: Any, registry: Any, call_arguments: Callable[[Any], Any],
+                         ) -> list[Signature]:
+    """The signatures one command line (or one ``--from`` line) names."""
+    if args.q is None or args.kv is None:
+        return []
+    q, k, v, kwargs = call_arguments(args)
+    call = registry.get(device=args.device, fallback="silent",
+                        layout=args.layout).explain(q, k, v, **kwargs).call
+    passes = (False, True) if getattr(args, "both", False) else (bool(args.grad),)
+    return [Signature(call, grad) for grad in passes]
+
+
+def cmd_tune(args: Any, registry: Any, call_arguments: Callable[[Any], Any],
+             build_parser: Callable[[], Any]) -> int:
+    """`attn-backends tune`: measure, merge into ``--out``, print what was chosen."""
+    import json
+    import shlex
+
+    from ..contract.environment import cache_dir, resolve
+    from ..probe.tuning import TABLE_NAME, environment, identity
+
+    platform, present = resolve(args.device)
+    if not present:
+        print(f"attn-backends tune: JAX sees no {platform} here; tune on the machine the "
+              "table is for", file=sys.stderr)
+        return 2
+    signatures = signatures_from_args(args, registry, call_arguments)
+    if args.from_file:
+        parser = build_parser()
+        with open(args.from_file) as lines:
+            for number, line in enumerate(lines, 1):
+                words = shlex.split(line, comments=True)
+                if not words:
+                    continue
+                try:
+                    one = parser.parse_args(["tune", "--device", platform, *words])
+                except SystemExit:
+                    print(f"attn-backends tune: {args.from_file}:{number}: not a call in "
+                          f"tune's flags: {line.strip()!r}", file=sys.stderr)
+                    return 2
+                signatures += signatures_from_args(one, registry, call_arguments)
+    if not signatures:
+        print("attn-backends tune: no call to tune: give --q and --kv (and the call's "
+              "flags), or --from FILE", file=sys.stderr)
+        return 2
+    table = tune(registry, signatures, platform, environment=environment(platform),
+                 identity=identity(registry.backends), warmup=args.warmup,
+                 rounds=args.rounds, runs=args.runs, margin=args.margin)
+    out = args.out or cache_dir() / TABLE_NAME
+    table.save(out)
+    entries = [entry for section in table.sections for entry in section.entries.values()]
+    if args.json:
+        print(json.dumps([vars(e) for e in entries], indent=1))
+    for entry in entries:
+        cls = entry.shape_class
+        what = (f"q[{cls['batch']},{cls['q_len']},{cls['q_heads']},{cls['head_dim']}] "
+                f"kv[{cls['kv_len']},{cls['kv_heads']}] {cls['dtype']}"
+                f"{' causal' if cls['causal'] else ''} {'fwd+bwd' if cls['grad'] else 'fwd'}")
+        print(f"{what}: {entry.winner} ({entry.reason}; {entry.summary()})", file=sys.stderr)
+    print(f"tuning table written to {out}", file=sys.stderr)
+    return 0
+
+
+def signatures_of(fn: Callable[..., Any], *args: Any, passes: Sequence[bool] = (False, True),
+                  **kwargs: Any) -> list[Signature]:
+    """Every attention call ``fn(*args, **kwargs)`` makes, found by tracing it
+    (``jax.jit(fn).trace``; nothing runs), as one signature per pass in ``passes``
+    (False: forward; True: forward and backward)."""
+    import jax
+
+    from ..choose.attention import recording_calls
+
+    with recording_calls() as calls:
+        jax.jit(fn).trace(*args, **kwargs)
+    return [Signature(call, grad) for call in calls for grad in passes]

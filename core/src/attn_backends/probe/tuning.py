@@ -25,15 +25,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..choose.select import Measured
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall
-from ..contract.environment import device_kind, versions
+from ..contract.environment import cache_dir, device_kind, env_setting, versions
+from ..contract.errors import AttnBackendsWarning, warn
 from .digests import code_digests
 from .store import write_atomically
 
@@ -48,12 +51,20 @@ ENVIRONMENT_FIELDS = ("platform", "device_kind", "jax", "jaxlib", "libtpu")
 #: How much faster (relative to the priority choice's median) a candidate must be
 #: to replace the priority choice, besides being outside both spreads.
 DEFAULT_MARGIN = 0.05
+#: The table ``attn-backends tune`` writes in the cache folder when given no ``--out``,
+#: read when neither ``tuning=`` nor ``ATTN_BACKENDS_TUNING`` names one.
+TABLE_NAME = "tuning.json"
 #: The call fields bucketed by :data:`BUCKET_RULE`; every other field is exact.
 BUCKETED = ("batch", "q_len", "kv_len")
 
 #: ``identity(name) -> {"version", "backend", "core"}`` of an installed backend
 #: (None: not installed), what an entry's candidates are compared with.
 Identity = Callable[[str], "dict[str, str | None] | None"]
+
+
+class TuningWarning(AttnBackendsWarning):
+    """A tuning table's entry for a call is void here (measured in another
+    environment, or on code that changed since): selection uses the priority order."""
 
 
 class TableError(ValueError):
@@ -140,6 +151,14 @@ class Entry:
     margin: float
     candidates: dict[str, dict[str, Any]]
     measured_at: str
+
+    def summary(self) -> str:
+        """Each candidate's median and spread, fastest first, or why it failed."""
+        timed = sorted((c["median_s"], n) for n, c in self.candidates.items() if "median_s" in c)
+        parts = [f"{n} {1e3 * m:.3g}±{1e3 * self.candidates[n]['spread_s']:.2g} ms"
+                 for m, n in timed]
+        parts += [f"{n} failed" for n, c in sorted(self.candidates.items()) if "failed" in c]
+        return ", ".join(parts)
 
     def void_reasons(self, identity: Identity) -> list[str]:
         """Why this entry no longer describes the installed code (empty: it does)."""
@@ -278,7 +297,7 @@ class Lookup:
         when = self.entry.measured_at
         if self.void:
             return f"{where}: entry of {when} void: " + "; ".join(self.void)
-        return f"{self.entry.reason}, {where}, {when}"
+        return f"{self.entry.reason} ({self.entry.summary()}), {where}, {when}"
 
 
 def lookup(table: TuningTable, call: AttentionCall, grad: bool,
@@ -323,3 +342,60 @@ def identity(backends: Mapping[str, Backend]) -> Identity:
                 "core": digests["core"]}
 
     return of
+
+
+def table_path(given: str | os.PathLike[str] | None) -> Path | None:
+    """The table selection reads: ``given``, else ``ATTN_BACKENDS_TUNING``, else the
+    cache folder's :data:`TABLE_NAME` when it exists, else None."""
+    if given is not None:
+        return Path(given)
+    named = env_setting("ATTN_BACKENDS_TUNING", lambda text: Path(text).expanduser(),
+                        accepts="the path of a tuning table (attn-backends tune --out)",
+                        default=None)
+    if named is not None:
+        return named
+    cached = cache_dir() / TABLE_NAME
+    return cached if cached.is_file() else None
+
+
+class TableReader:
+    """What selection consults (:data:`attn_backends.choose.select.Tuning`): a
+    table's word on a call. Tables are read once per file version (its mtime and
+    size); a void entry warns once per table and reason."""
+
+    def __init__(self) -> None:
+        self._tables: dict[Path, tuple[tuple[int, int], TuningTable]] = {}
+        self._warned: set[tuple[Path, str]] = set()
+        self._lock = threading.Lock()
+
+    def load(self, path: Path) -> TuningTable:
+        try:
+            stat = path.stat()
+        except OSError:
+            return TuningTable.load(path)  # raises TableError naming the file
+        version = (stat.st_mtime_ns, stat.st_size)
+        with self._lock:
+            cached = self._tables.get(path)
+            if cached is not None and cached[0] == version:
+                return cached[1]
+        table = TuningTable.load(path)
+        with self._lock:
+            self._tables[path] = (version, table)
+        return table
+
+    def __call__(self, given: str | os.PathLike[str] | None, call: AttentionCall, platform: str,
+                 grad: bool, backends: Mapping[str, Backend]) -> Measured | None:
+        path = table_path(given)
+        if path is None:
+            return None
+        table = self.load(path)
+        found = lookup(table, call, grad, environment(platform), identity(backends))
+        note = found.note(table)
+        if found.void:
+            with self._lock:
+                first = (path, note) not in self._warned
+                self._warned.add((path, note))
+            if first:
+                warn(f"{note}; selection uses the priority order. Refresh the table with "
+                     "`attn-backends tune`", TuningWarning)
+        return Measured(found.winner, note)

@@ -91,3 +91,23 @@ def test_signatures_of_a_traced_program_are_its_calls_once_each():
     signatures = signatures_of(jax.grad(step), x, kv)
     assert [(s.call.q_len, s.call.causal, s.grad) for s in signatures] == [
         (16, True, False), (16, True, True), (1, False, False), (1, False, True)]
+
+
+def test_list_says_what_counts_in_the_table_and_what_is_void(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "table.json"
+    assert main(["tune", "--device", "cpu", *CALL, *QUICK, "--out", str(out)]) == 0
+    capsys.readouterr()
+    data = json.loads(out.read_text())
+    data["sections"][0]["entries"][0]["candidates"]["reference"]["backend"] = "0ld"
+    data["sections"].append({**data["sections"][0], "environment": {
+        **data["sections"][0]["environment"], "device_kind": "TPU v5e"}})
+    out.write_text(json.dumps(data))
+    monkeypatch.setenv("ATTN_BACKENDS_TUNING", str(out))
+    assert main(["list"]) == 0
+    text = capsys.readouterr().out
+    assert main(["list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["tuning"]
+    assert f"tuning table {out}: 0 entries count on cpu, 1 reasons void others, 1 measured " \
+        "elsewhere" in text
+    assert "void: reference's backend digest changed (0ld then" in text
+    assert listed["counting"] == 0 and listed["other_environments"] == 1

@@ -111,8 +111,12 @@ def cmd_list(args: argparse.Namespace) -> int:
                 "probes": _report.probe_summary(backend),
             }
         )
+    from ..probe.tuning import table_summary
+
+    tuning = table_summary(None, platform, backends)
     if args.json:
-        print(json.dumps({"backends": records, "problems": [str(p) for p in problems]}, indent=2))
+        print(json.dumps({"backends": records, "problems": [str(p) for p in problems],
+                          "tuning": tuning}, indent=2))
         return 0
     rows = []
     for rec in records:
@@ -134,6 +138,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("\nload problems:")
         for problem in problems:
             print(f"  - {problem}")
+    if tuning is not None:
+        print(f"\ntuning table {tuning['path']}: " + (tuning.get("problem") or (
+            f"{tuning['counting']} entries count on {platform}, "
+            f"{len(tuning['void'])} reasons void others, {tuning['other_environments']} "
+            "measured elsewhere")))
+        for reason in tuning.get("void", []):
+            print(f"  - void: {reason}")
     return 0
 
 

@@ -399,3 +399,29 @@ class TableReader:
                 warn(f"{note}; selection uses the priority order. Refresh the table with "
                      "`attn-backends tune`", TuningWarning)
         return Measured(found.winner, note)
+
+
+def table_summary(given: str | os.PathLike[str] | None, platform: str,
+                  backends: Mapping[str, Backend]) -> dict[str, Any] | None:
+    """What ``attn-backends list`` says of the table selection reads (None: none):
+    its path, how many entries count here, the void ones' reasons, and how many
+    were measured in other environments; or why it cannot be read."""
+    path = table_path(given)
+    if path is None:
+        return None
+    try:
+        table = TuningTable.load(path)
+    except TableError as exc:
+        return {"path": str(path), "problem": str(exc)}
+    now, ids = environment(platform), identity(backends)
+    counting, void, elsewhere = 0, [], 0
+    for section in table.sections:
+        if section.differences(now):
+            elsewhere += len(section.entries)
+            continue
+        for entry in section.entries.values():
+            reasons = entry.void_reasons(ids)
+            counting += not reasons
+            void += [r for r in reasons if r not in void]
+    return {"path": str(path), "counting": counting, "void": void,
+            "other_environments": elsewhere}

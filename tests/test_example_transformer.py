@@ -37,3 +37,19 @@ def test_losses_match_flax_attention_and_decrease(backend: str, baseline) -> Non
     run = example.train(backend, 5, CFG, REGISTRY)
     np.testing.assert_allclose(run.losses, baseline.losses, rtol=1e-4)
     assert run.losses[-1] < run.losses[0] - 0.3, run.losses
+
+
+def test_training_with_a_tuning_table_reports_both_runs(tmp_path) -> None:
+    """The registry's choice, untuned and tuned: a table is made from the step's
+    own attention calls (forward and backward), both runs train the same."""
+    import json
+
+    table = tmp_path / "table.json"
+    untuned, tuned = example.compare_tuned(str(table), 4, CFG, REGISTRY, rounds=2)
+    (section,) = json.loads(table.read_text())["sections"]
+    (entry,) = section["entries"]
+    assert entry["shape_class"]["grad"] is True
+    assert entry["shape_class"]["causal"] is True
+    assert entry["shape_class"]["q_len"] == CFG.seq
+    assert len(untuned.step_seconds) == len(tuned.step_seconds) == 3
+    np.testing.assert_allclose(tuned.losses, untuned.losses, rtol=1e-4)

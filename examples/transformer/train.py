@@ -8,6 +8,7 @@ different backends can be compared step by step; ``backend="flax"`` runs
 flax's own attention, the baseline.
 
     python examples/transformer/train.py --backend xla_native --steps 300
+    python examples/transformer/train.py --tune table.json --steps 50   # tuned vs priority
 
 Character-level; 2 query heads over 1 kv head (MQA), head dim 64 so that
 flash_pallas can serve it too; causal self-attention.
@@ -105,10 +106,15 @@ def batches(data: np.ndarray, cfg: Config, steps: int) -> np.ndarray:
     return data[starts[..., None] + np.arange(cfg.seq + 1)]
 
 
-def attention_for(backend: str, registry: attn_backends.Registry) -> Callable[..., jax.Array]:
-    """flax's own attention for ``"flax"``, else the adapter over that backend on cpu."""
+def attention_for(backend: str, registry: attn_backends.Registry,
+                  tuning: str | None = None) -> Callable[..., jax.Array]:
+    """flax's own attention for ``"flax"``; the registry's choice on cpu for
+    ``"auto"`` (its priority order, or the tuning table ``tuning``); else the
+    adapter over that backend on cpu."""
     if backend == "flax":
         return nnx.dot_product_attention
+    if backend == "auto":
+        return attention_fn(registry.get(device="cpu", tuning=tuning))
     return attention_fn(registry.get(device="cpu", backend=backend))
 
 
@@ -133,10 +139,11 @@ class Trainer:
 
 
 def trainer(
-    backend: str, cfg: Config, vocab: int, params: nnx.State, registry: attn_backends.Registry
+    backend: str, cfg: Config, vocab: int, params: nnx.State, registry: attn_backends.Registry,
+    tuning: str | None = None,
 ) -> Trainer:
     """The step function for ``backend`` (its own model graph, the shared parameters)."""
-    attention = attention_for(backend, registry)
+    attention = attention_for(backend, registry, tuning)
     abstract = nnx.eval_shape(lambda: Model(cfg, vocab, attention, nnx.Rngs(0)))
     graphdef, _ = nnx.split(abstract, nnx.Param)
     tx = optax.adam(cfg.learning_rate)
@@ -180,6 +187,45 @@ def train(
     return Run(backend, losses, seconds[1:])
 
 
+def compare_tuned(table: str, steps: int, cfg: Config = Config(),
+                  registry: attn_backends.Registry | None = None,
+                  rounds: int = 7) -> tuple[Run, Run]:
+    """The registry's choice trained untuned and with a tuning table, in this process.
+
+    The table is made first (when ``table`` does not exist) from the attention
+    calls the training step makes, each timed forward and backward. The two
+    runs then take their steps in turn on the same batches, so load on the
+    machine falls on both alike.
+    """
+    from attn_backends.cli.tune import signatures_of, tune
+    from attn_backends.probe.tuning import environment, identity
+
+    data, vocab = load_corpus()
+    registry = registry if registry is not None else attn_backends.registry
+    params = init_state(cfg, vocab)
+    untuned = trainer("auto", cfg, vocab, params, registry)
+    first = jnp.asarray(batches(data, cfg, 1)[0])
+    if not os.path.exists(table):
+        found = signatures_of(untuned.step, untuned.params, untuned.opt_state, first,
+                              passes=(True,))
+        tune(registry, found, "cpu", environment=environment("cpu"),
+             identity=identity(registry.backends), rounds=rounds).save(table)
+    tuned = trainer("auto", cfg, vocab, params, registry, tuning=table)
+    runs = {"untuned": Run("priority order", [], []), "tuned": Run(f"table {table}", [], [])}
+    states = {"untuned": (untuned, untuned.params, untuned.opt_state),
+              "tuned": (tuned, tuned.params, tuned.opt_state)}
+    for batch in batches(data, cfg, steps):
+        for name, (t, p, o) in states.items():
+            start = time.perf_counter()
+            p, o, loss = t.step(p, o, jnp.asarray(batch))
+            runs[name].losses.append(float(loss))  # float() waits for the step
+            runs[name].step_seconds.append(time.perf_counter() - start)
+            states[name] = (t, p, o)
+    for run in runs.values():
+        run.step_seconds = run.step_seconds[1:]  # the first step compiles
+    return runs["untuned"], runs["tuned"]
+
+
 def step_memory(
     backend: str, cfg: Config = Config(), registry: attn_backends.Registry | None = None
 ) -> dict[str, int]:
@@ -208,7 +254,19 @@ def main() -> None:
     parser.add_argument("--backend", default="xla_native",
                         help="a registry backend name, or 'flax' for flax's own attention")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--tune", default=None, metavar="TABLE",
+                        help="train the registry's choice untuned and with this tuning "
+                        "table (made first if missing), steps in turn, and compare")
     args = parser.parse_args()
+    if args.tune:
+        untuned, tuned = compare_tuned(args.tune, args.steps)
+        for run in (untuned, tuned):
+            print(f"{run.backend:<40} median step "
+                  f"{1e3 * float(np.median(run.step_seconds)):.2f} ms, "
+                  f"final loss {run.losses[-1]:.4f}")
+        ratio = float(np.median(untuned.step_seconds) / np.median(tuned.step_seconds))
+        print(f"tuned step is {ratio:.2f}x the speed of the untuned one (same process)")
+        return
     run = train(args.backend, args.steps)
     every = max(1, args.steps // 10)
     for i in range(0, args.steps, every):

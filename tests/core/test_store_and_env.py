@@ -49,6 +49,12 @@ def _cache() -> object:
     return _verdicts.records()  # every store use reads the cache folder
 
 
+def _tuning() -> object:
+    from attn_backends.probe.tuning import table_path
+
+    return table_path(None)
+
+
 #: Each ATTN_BACKENDS_* variable core reads: how it is read, and what it takes.
 SETTINGS = {
     "ATTN_BACKENDS_ONLY": (_discover, "comma-separated backend names like reference,xla_native"),
@@ -57,6 +63,7 @@ SETTINGS = {
     "ATTN_BACKENDS_STRICT": (_discover, "1/0 (or true/false, yes/no, on/off)"),
     "ATTN_BACKENDS_CACHE_DIR": (_cache, "an absolute directory path (~ allowed)"),
     "ATTN_BACKENDS_PROBE_BUDGET_S": (_probe_budget, "a number of seconds > 0"),
+    "ATTN_BACKENDS_TUNING": (_tuning, "the path of a tuning table (attn-backends tune --out)"),
 }
 
 BAD_VALUES = [

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .choose import registry as choosing
 from .choose.registry import Lazy
-from .choose.select import Probe
+from .choose.select import Probe, Tuning
 
 if TYPE_CHECKING:
     from .choose.attention import ParallelLayer
@@ -24,6 +24,13 @@ def core_prober() -> Probe:
     from .probe.prober import Prober
 
     return Prober()
+
+
+def table_reader() -> Tuning:
+    """Core's tuning-table reader (tables cached per file and version), built on first use."""
+    from .probe.tuning import TableReader
+
+    return TableReader()
 
 
 def parallel_layer() -> ParallelLayer:
@@ -64,7 +71,8 @@ class Registry(choosing.Registry):
                 )
             probe = Lazy(core_prober)
         super().__init__(plugins=plugins, autoload=autoload, strict=strict, only=only,
-                         disable=disable, probe=probe, parallel=parallel_layer)
+                         disable=disable, probe=probe, parallel=parallel_layer,
+                         tuning=Lazy(table_reader))
 
 
 #: The process-wide registry: ``attn_backends.registry.get(device="tpu")``.

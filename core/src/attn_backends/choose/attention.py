@@ -9,9 +9,11 @@ back from here only :class:`SingleDevice`, the callables it needs.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,11 +29,28 @@ from ..contract.errors import (
     warn,
 )
 from .discovery import Origin
-from .dispatch import Served, empty_result, unavailable_message
-from .select import Explanation, Probe, select
+from .dispatch import Served, by_pass, empty_result, unavailable_message
+from .select import Explanation, Measured, Probe, Tuning, select
 
 #: Distinct call signatures one Attention remembers; older ones are evicted.
 SELECTION_CACHE_SIZE = 512
+
+#: The calls :func:`recording_calls` collects in this context (None: not recording).
+_recorded: ContextVar[list[AttentionCall] | None] = ContextVar("attn_backends_recorded",
+                                                               default=None)
+
+
+@contextlib.contextmanager
+def recording_calls() -> Iterator[list[AttentionCall]]:
+    """Collect, in order and once each, the contract call of every attention call
+    made (or traced) inside: what ``attn-backends tune`` times for a program."""
+    calls: list[AttentionCall] = []
+    token = _recorded.set(calls)
+    try:
+        yield calls
+    finally:
+        _recorded.reset(token)
+
 
 #: The layouts of q, k, v (and the output) an Attention takes: ``registry.get(layout=)``.
 #: BTNH is the contract's ``[B, T, H, D]``; BHTD is PyTorch's ``[B, H, T, D]``.
@@ -86,6 +105,8 @@ class Backends(Protocol):
     backends: dict[str, Backend]
     origins: dict[str, Origin]
     probe: Probe | None
+    #: Reads tuning tables (None: selection never consults one).
+    tuning: Tuning | None
     #: Bumped on every reload, so selections made before it are dropped.
     generation: int
 
@@ -158,6 +179,7 @@ class Attention:
         sharding: Hashable | None = None,
         parallel: Callable[[], ParallelLayer] | None = None,
         layout: str = "BTNH",
+        tuning: Any = None,
     ):
         if layout not in LAYOUTS:
             raise ValueError(
@@ -177,6 +199,8 @@ class Attention:
         #: The parallel layer's request (None: lay out by the inputs' own sharding).
         self.sharding = sharding
         self._parallel = parallel
+        #: The tuning table asked for (None: ATTN_BACKENDS_TUNING or the cache's).
+        self.tuning = tuning
         # Keyed by the registry's generation too, so a reload or register()
         # is seen by Attention objects made before it.
         self._selections: OrderedDict[tuple[int, str, AttentionCall, Hashable], Backend] = (
@@ -195,11 +219,12 @@ class Attention:
 
     def explain_call(
         self, call: AttentionCall, call_for: Callable[[Backend], AttentionCall] | None = None,
-        platform: str | None = None, **judging: Any,
+        platform: str | None = None, grad: bool = False, **judging: Any,
     ) -> Explanation:
         """Verdicts for an already-bound call on ``platform`` (default: the first
         platform; ``call_for`` and ``judging`` (``calls_for``, ``reasons_for``): see
-        :func:`select`)."""
+        :func:`select`), the tuning table's entry for the call forward (or, with
+        ``grad``, forward and backward) consulted."""
         platform = self.platform if platform is None else platform
         backends = self.registry.backends
         if self.backend_name is not None:
@@ -216,25 +241,39 @@ class Attention:
             probe=self.registry.probe,
             call_for=call_for,
             options=self.backend_options,
+            measured=self.measured(call, platform, grad),
             **judging,
         )
 
-    def explain(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Explanation:
+    def measured(self, call: AttentionCall, platform: str, grad: bool) -> Measured | None:
+        """The tuning table's word on ``call`` (None: no table, or ``backend=`` pinned)."""
+        reader = self.registry.tuning
+        if reader is None or self.backend_name is not None:
+            return None
+        return reader(self.tuning, call, platform, grad, self.registry.backends)
+
+    def explain(self, q: Any, k: Any, v: Any, *, grad: bool = False,
+                **kwargs: Any) -> Explanation:
         """Every backend's verdict for this call; arrays or ``jax.ShapeDtypeStruct``s,
-        in this attention's ``layout`` (the explanation's call is in the contract's)."""
+        in this attention's ``layout`` (the explanation's call is in the contract's).
+        ``grad``: the choice for the call differentiated, which differs only when a
+        tuning table timed its backward pass to another winner."""
         if self.layout == "BHTD":
             q, k, v = _to_contract_layout(q, k, v)
         call, _ = bind(q, k, v, **kwargs)
         if self._goes_parallel(q):
             return self._parallel_layer().explain(self._single_device(), self.sharding,
                                                   call, q, k, v)
-        return self.explain_call(call)
+        return self.explain_call(call, grad=grad and self._tuned_apart(call, self.platform))
 
-    def backend_for(self, call: AttentionCall, platform: str | None = None) -> Backend:
+    def backend_for(self, call: AttentionCall, platform: str | None = None,
+                    grad: bool = False) -> Backend:
         """The backend serving ``call`` on ``platform`` (default: the first),
-        selecting on first sight."""
+        selecting on first sight; with ``grad``, the one serving it when it is
+        differentiated (another only when a tuning table says so)."""
         platform = self.platform if platform is None else platform
-        return self._choose(call, None, lambda: self.explain_call(call, platform=platform),
+        return self._choose(call, "grad" if grad else None,
+                            lambda: self.explain_call(call, platform=platform, grad=grad),
                             platform)
 
     def _choose(self, call: AttentionCall, key: Hashable, explain: Callable[[], Explanation],
@@ -325,6 +364,9 @@ class Attention:
     def _attend(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
         """The call in the contract's BTNH layout."""
         call, operands = bind(q, k, v, **kwargs)
+        recording = _recorded.get()
+        if recording is not None and call not in recording:
+            recording.append(call)
         if call.is_empty:
             with jax.named_scope("attn/empty"):
                 return empty_result(call, q)
@@ -344,7 +386,20 @@ class Attention:
             return self._parallel_layer().run(self._single_device(), self.sharding,
                                               call, q, k, v, operands)
         served = {p: self.backend_for(call, platform=p) for p, _ in self.platforms}
-        return Served.of(served, self.backend_options)(call, q, k, v, operands)
+        forward = Served.of(served, self.backend_options)
+        trained = {p: self.backend_for(call, platform=p, grad=True) for p, _ in self.platforms
+                   if self._tuned_apart(call, p)}
+        if not trained or all(trained[p] is served[p] for p in trained):
+            return forward(call, q, k, v, operands)
+        # A table measured another backend fastest forward and backward: the
+        # primal runs the forward winner, a differentiated call the other.
+        differentiated = Served.of({**served, **trained}, self.backend_options)
+        return by_pass(forward, differentiated)(call, q, k, v, operands)
+
+    def _tuned_apart(self, call: AttentionCall, platform: str) -> bool:
+        """Whether the table times ``call`` forward and backward to a winner of its own."""
+        found = self.measured(call, platform, True)
+        return found is not None and found.backend is not None
 
     def served(self, backend: Backend) -> Served:
         """``backend`` bound to this attention's platform and options, as core calls it."""

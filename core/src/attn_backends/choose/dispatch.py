@@ -140,6 +140,34 @@ class Served:
         return on_platforms(branches, lambda q, *_: empty_result(call, q), q, k, v, operands)
 
 
+def by_pass(forward: Served, differentiated: Served) -> Callable[..., Any]:
+    """``f(call, q, k, v, operands)``: ``forward`` when only evaluated, and
+    ``differentiated`` for the value and gradients of a differentiated call.
+
+    A ``jax.custom_vjp`` whose primal is ``forward`` and whose forward rule runs
+    ``differentiated`` under ``jax.vjp``, keeping its pullback as the residual:
+    each pass is the backend measured fastest for it (docs/DESIGN.md, "Measured
+    selection"), and the gradients are always those of the backend that made
+    the output they belong to.
+    """
+
+    def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands) -> Any:
+        @jax.custom_vjp
+        def attend(q: Any, k: Any, v: Any, operands: Operands) -> Any:
+            return forward(call, q, k, v, operands)
+
+        def attend_fwd(q: Any, k: Any, v: Any, operands: Operands) -> tuple[Any, Any]:
+            return jax.vjp(lambda *a: differentiated(call, *a), q, k, v, operands)
+
+        def attend_bwd(pullback: Any, cotangent: Any) -> Any:
+            return pullback(cotangent)
+
+        attend.defvjp(attend_fwd, attend_bwd)
+        return attend(q, k, v, operands)
+
+    return run
+
+
 def served_operands(call: AttentionCall, served: AttentionCall, operands: Operands) -> Operands:
     """``operands`` of ``call`` as the backend given ``served`` reads them.
 

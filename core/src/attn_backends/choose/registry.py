@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..contract.backend import Backend
 from ..contract.errors import AttnBackendsWarning, UnknownBackendError, warn
 from .discovery import Discovered, LoadProblem, Origin, Settings, discover
-from .select import Explanation, Probe
+from .select import Explanation, Probe, Tuning
 
 if TYPE_CHECKING:
     from .attention import Attention, ParallelLayer
@@ -45,7 +47,8 @@ class Registry:
     ``ATTN_BACKENDS_*`` environment variables when discovery runs. ``probe`` is
     None (no probes), a callable ``probe(backend, call, platform, options) ->
     reasons``, or a :class:`Lazy` one. ``parallel`` loads the layer that serves
-    sharded inputs (None: they raise UnsupportedError).
+    sharded inputs (None: they raise UnsupportedError). ``tuning`` reads tuning
+    tables (None: selection never consults one), a callable or a :class:`Lazy` one.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Registry:
         disable: Sequence[str] | None = None,
         probe: Probe | Lazy[Probe] | None = None,
         parallel: Callable[[], ParallelLayer] | None = None,
+        tuning: Tuning | Lazy[Tuning] | None = None,
     ):
         self._plugins = list(plugins)
         self._overrides = {
@@ -67,6 +71,7 @@ class Registry:
             "disable": None if disable is None else frozenset(disable),
         }
         self._probe = probe
+        self._tuning = tuning
         self._parallel = parallel
         self._discovered: Discovered | None = None
         # Re-entrant: a plugin that reads the registry while it is imported
@@ -86,6 +91,14 @@ class Registry:
     @probe.setter
     def probe(self, probe: Probe | Lazy[Probe] | None) -> None:
         self._probe = probe
+
+    @property
+    def tuning(self) -> Tuning | None:
+        """What reads tuning tables for selection (a :class:`Lazy` one is built here, once)."""
+        with self._lock:
+            if isinstance(self._tuning, Lazy):
+                self._tuning = self._tuning.make()
+            return self._tuning
 
     def _load(self) -> Discovered:
         with self._lock:
@@ -144,6 +157,7 @@ class Registry:
         spec: Any = None,
         sequence_axis: str | None = None,
         ring_block: int | None = None,
+        tuning: str | os.PathLike[str] | None = None,
     ) -> Attention:
         """An :class:`Attention` callable for ``device`` (None = JAX's default).
 
@@ -171,6 +185,12 @@ class Registry:
         axis the sequence is split over, which runs ring attention, whose
         backend calls take sub-chunks of at most ``ring_block`` tokens (None:
         1024).
+
+        ``tuning`` is a tuning table (``attn-backends tune --out PATH``); None:
+        ``ATTN_BACKENDS_TUNING``, else the cache folder's table when ``tune``
+        wrote one there, else none. Its measured winner for a call's shape class
+        is tried first after ``prefer``; ``backend=`` ignores it. Selection reads
+        the table and never times (docs/DESIGN.md, "Measured selection").
         """
         from ..contract.environment import resolve_all
         from .attention import Attention
@@ -179,6 +199,10 @@ class Registry:
             raise ValueError(f"fallback: expected one of {FALLBACK_MODES}, got {fallback!r}")
         if backend is not None:
             self.backend(backend)
+        if tuning is not None and not Path(tuning).expanduser().is_file():
+            raise ValueError(f"tuning={str(tuning)!r}: no such file; make a table with "
+                             f"`attn-backends tune --out {tuning}` (docs/DESIGN.md, "
+                             "\"Measured selection\")")
         if isinstance(prefer, str):
             prefer = (prefer,)
         unknown = sorted(set(prefer or ()) - set(self.backends))
@@ -209,6 +233,7 @@ class Registry:
                                             ring_block),
             parallel=self._parallel,
             layout=layout,
+            tuning=None if tuning is None else Path(tuning).expanduser(),
         )
 
     def get_paged(
@@ -305,10 +330,11 @@ class Registry:
         return self._parallel().request(mesh, spec, sequence_axis, ring_block)
 
     def explain(self, q: Any, k: Any, v: Any, *, device: Any = None, layout: str = "BTNH",
-                **kwargs: Any) -> Explanation:
+                tuning: str | os.PathLike[str] | None = None, **kwargs: Any) -> Explanation:
         """Every backend's verdict for this call on ``device`` (arrays or ShapeDtypeStructs
-        in ``layout``)."""
-        return self.get(device=device, fallback="silent", layout=layout).explain(q, k, v, **kwargs)
+        in ``layout``), and what the tuning table (:meth:`get`'s ``tuning``) says of it."""
+        return self.get(device=device, fallback="silent", layout=layout,
+                        tuning=tuning).explain(q, k, v, **kwargs)
 
 
 def _btnh_spec(spec: Any, layout: str) -> Any:

@@ -19,6 +19,24 @@ from ..contract.paged import PagedCall
 Probe = Callable[[Backend, AttentionCall, str, Any], "list[str] | None"]
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A tuning table's word on one call (docs/DESIGN.md, "Measured selection"):
+    the backend it measured fastest here (None: a miss, or a void entry) and one
+    line for people saying what was measured or why it does not count."""
+
+    backend: str | None
+    note: str
+
+
+#: ``tuning(path, call, platform, grad, backends) -> Measured | None``: what the
+#: table at ``path`` (None: ``ATTN_BACKENDS_TUNING`` or the cache's table) says
+#: of ``call`` timed with or without its backward pass; None when there is no
+#: table. Reads a file, never times. The registry's default is
+#: :class:`attn_backends.probe.tuning.TableReader`.
+Tuning = Callable[[Any, AttentionCall, str, bool, Mapping[str, Backend]], "Measured | None"]
+
+
 #: What ``explain`` says of a backend given a key mask as segment ids.
 KEY_MASK_NOTE = "key mask rewritten as segment ids"
 
@@ -52,6 +70,8 @@ class Explanation:
     present: bool
     verdicts: tuple[Verdict, ...]
     chosen: str | None
+    #: What a tuning table said of this call (None: no table was consulted).
+    measured: Measured | None = None
 
     @property
     def passed_over(self) -> tuple[Verdict, ...]:
@@ -71,6 +91,7 @@ class Explanation:
             "platform": self.platform,
             "platform_present": self.present,
             "chosen": self.chosen,
+            "measured": None if self.measured is None else asdict(self.measured),
             "verdicts": [{**asdict(v), "reasons": list(v.reasons), "notes": list(v.notes)}
                          for v in self.verdicts],
         }
@@ -94,11 +115,17 @@ class Explanation:
             lines += [f"      = {note}" for note in verdict.notes]
         if self.chosen is None:
             lines.append("  no backend can serve this call")
+        if self.measured is not None:
+            lines.append(f"tuning: {self.measured.note}")
+            if self.measured.backend not in (None, self.chosen):
+                lines.append(f"  the table's {self.measured.backend} is not chosen: a prefer= "
+                             "name or its verdict above comes first")
         return "\n".join(lines)
 
 
 def rank(backends: Sequence[Backend], platform: str, prefer: Sequence[str] = ()) -> list[Backend]:
-    """Order: names in ``prefer`` first (in that order), then priority, then name."""
+    """Order: names in ``prefer`` first (in that order), then priority, then name.
+    (A tuning table's winner joins ``prefer``, after the caller's names.)"""
     position = {name: i for i, name in enumerate(prefer)}
     return sorted(
         backends,
@@ -141,6 +168,7 @@ def select(
     options: Mapping[str, Any] | None = None,
     calls_for: Callable[[Backend], Sequence[AttentionCall]] | None = None,
     reasons_for: Callable[[Backend], Sequence[str]] | None = None,
+    measured: Measured | None = None,
 ) -> Explanation:
     """Judge every backend for ``call`` on ``platform`` and choose the first survivor.
 
@@ -157,10 +185,17 @@ def select(
     hand it over (:meth:`~attn_backends.Capabilities.served_call`: a key mask
     as segment ids or as a pairwise mask); the probe gets the call itself and
     runs it the same way.
+
+    ``measured`` is a tuning table's word: its backend is tried right after the
+    names in ``prefer`` (which still win), and must pass every step like any
+    other; a quarantined, refused or missing one leaves the priority order.
     """
     verdicts = []
     chosen = None
-    for backend in rank(backends, platform, prefer):
+    order = tuple(prefer)
+    if measured is not None and measured.backend is not None and measured.backend not in order:
+        order += (measured.backend,)
+    for backend in rank(backends, platform, order):
         if calls_for is not None:
             judged = list(calls_for(backend))
         else:
@@ -197,4 +232,4 @@ def select(
                 notes=tuple(notes),
             )
         )
-    return Explanation(call, platform, present, tuple(verdicts), chosen)
+    return Explanation(call, platform, present, tuple(verdicts), chosen, measured)

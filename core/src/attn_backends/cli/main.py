@@ -72,6 +72,7 @@ _positive = _argument(_at_least_1, "an integer >= 1")
 _window = _argument(_window_sides, "LEFT,RIGHT: two integers, either may be empty")
 _softcap = _argument(_above_0, "a number > 0")
 _seq = _argument(_lengths, "comma-separated lengths >= 1 like 512,1024")
+_margin = _argument(_above_0, "a fraction > 0 like 0.05")
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -110,8 +111,12 @@ def cmd_list(args: argparse.Namespace) -> int:
                 "probes": _report.probe_summary(backend),
             }
         )
+    from ..probe.tuning import table_summary
+
+    tuning = table_summary(None, platform, backends)
     if args.json:
-        print(json.dumps({"backends": records, "problems": [str(p) for p in problems]}, indent=2))
+        print(json.dumps({"backends": records, "problems": [str(p) for p in problems],
+                          "tuning": tuning}, indent=2))
         return 0
     rows = []
     for rec in records:
@@ -133,6 +138,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("\nload problems:")
         for problem in problems:
             print(f"  - {problem}")
+    if tuning is not None:
+        print(f"\ntuning table {tuning['path']}: " + (tuning.get("problem") or (
+            f"{tuning['counting']} entries count on {platform}, "
+            f"{len(tuning['void'])} reasons void others, {tuning['other_environments']} "
+            "measured elsewhere")))
+        for reason in tuning.get("void", []):
+            print(f"  - void: {reason}")
     return 0
 
 
@@ -151,14 +163,11 @@ def cmd_explain_paged(args: argparse.Namespace) -> int:
     return 0 if explanation.chosen else 1
 
 
-def cmd_explain(args: argparse.Namespace) -> int:
+def call_arguments(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """q, k, v (ShapeDtypeStructs in ``args.layout``) and the keyword arguments of
+    the call the flags of :func:`add_call_flags` describe."""
     import jax
     import jax.numpy as jnp
-
-    if args.paged:
-        return cmd_explain_paged(args)
-    if args.q is None or args.kv is None:
-        raise SystemExit("explain: give --q and --kv (or --paged with its call)")
 
     if args.layout == "BHTD":
         (b, hq, tq, _), (bk, _, tk, dk) = args.q, args.kv
@@ -188,14 +197,29 @@ def cmd_explain(args: argparse.Namespace) -> int:
         kwargs["mask"] = sds((b, 1, 1, tk), jnp.bool_)
     if args.bias:
         kwargs["bias"] = sds((b, hq, tq, tk), dtype)
+    return q, k, v, kwargs
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    if args.paged:
+        return cmd_explain_paged(args)
+    if args.q is None or args.kv is None:
+        raise SystemExit("explain: give --q and --kv (or --paged with its call)")
+    q, k, v, kwargs = call_arguments(args)
     attention = _registry().get(
         device=args.device, backend=args.backend,
         prefer=args.prefer.split(",") if args.prefer else None, fallback="silent",
-        layout=args.layout,
+        layout=args.layout, tuning=args.tuning,
     )
-    explanation = attention.explain(q, k, v, **kwargs)
+    explanation = attention.explain(q, k, v, grad=args.grad, **kwargs)
     print(explanation.to_json() if args.json else explanation)
     return 0 if explanation.chosen else 1
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from . import tune
+
+    return tune.cmd_tune(args, _registry(), call_arguments, build_parser)
 
 
 def _print_quarantined(records: list[dict[str, Any]]) -> None:
@@ -365,6 +389,26 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_call_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags describing a dense call besides --q and --kv (explain, tune)."""
+    parser.add_argument("--layout", default="BTNH", choices=("BTNH", "BHTD"),
+                        help="the axis order of --q and --kv (default: BTNH)")
+    parser.add_argument("--dv", type=_positive, default=None, help="value head dim (default: D)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", type=_window, default=None, metavar="LEFT,RIGHT")
+    parser.add_argument("--segment-ids", action="store_true")
+    parser.add_argument("--q-lengths", action="store_true")
+    parser.add_argument("--kv-lengths", action="store_true")
+    masks = parser.add_mutually_exclusive_group()
+    masks.add_argument("--mask", action="store_true", help="a dense [B,Hq,Tq,Tk] bool mask")
+    masks.add_argument("--key-mask", action="store_true",
+                        help="a key mask [B,1,1,Tk] (padding, a decode cache's filled part)")
+    parser.add_argument("--bias", action="store_true", help="a dense [B,Hq,Tq,Tk] bias")
+    parser.add_argument("--softcap", type=_softcap, default=None)
+    parser.add_argument("--return-lse", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attn-backends", description="Inspect and choose JAX attention backends."
@@ -390,22 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --paged: positions per page")
     p_exp.add_argument("--max-q-len", type=_positive, default=None,
                        help="with --paged: most query rows per sequence (1: decode)")
-    p_exp.add_argument("--layout", default="BTNH", choices=("BTNH", "BHTD"),
-                       help="the axis order of --q and --kv (default: BTNH)")
-    p_exp.add_argument("--dv", type=_positive, default=None, help="value head dim (default: D)")
-    p_exp.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p_exp.add_argument("--causal", action="store_true")
-    p_exp.add_argument("--window", type=_window, default=None, metavar="LEFT,RIGHT")
-    p_exp.add_argument("--segment-ids", action="store_true")
-    p_exp.add_argument("--q-lengths", action="store_true")
-    p_exp.add_argument("--kv-lengths", action="store_true")
-    masks = p_exp.add_mutually_exclusive_group()
-    masks.add_argument("--mask", action="store_true", help="a dense [B,Hq,Tq,Tk] bool mask")
-    masks.add_argument("--key-mask", action="store_true",
-                       help="a key mask [B,1,1,Tk] (padding, a decode cache's filled part)")
-    p_exp.add_argument("--bias", action="store_true", help="a dense [B,Hq,Tq,Tk] bias")
-    p_exp.add_argument("--softcap", type=_softcap, default=None)
-    p_exp.add_argument("--return-lse", action="store_true")
+    add_call_flags(p_exp)
+    p_exp.add_argument("--tuning", default=None, metavar="TABLE",
+                       help="a tuning table (default: ATTN_BACKENDS_TUNING or the cache's)")
+    p_exp.add_argument("--grad", action="store_true",
+                       help="the choice when the call is differentiated")
     p_exp.add_argument("--backend", default=None, help="judge only this backend")
     p_exp.add_argument("--prefer", default=None, help="comma-separated names to try first")
     p_exp.add_argument("--json", action="store_true")
@@ -428,6 +461,32 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.add_argument("--quick", action="store_true", help="reduced case table")
     p_check.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     p_check.set_defaults(func=cmd_check)
+
+    p_tune = sub.add_parser(
+        "tune", help="time every backend that may serve a call here; write a tuning table")
+    p_tune.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
+    p_tune.add_argument("--q", type=_ints(4), metavar="B,Tq,Hq,D",
+                        help="q's shape (B,Hq,Tq,D with --layout BHTD)")
+    p_tune.add_argument("--kv", type=_ints(4), metavar="B,Tk,Hkv,D",
+                        help="k's shape (B,Hkv,Tk,D with --layout BHTD)")
+    add_call_flags(p_tune)
+    passes = p_tune.add_mutually_exclusive_group()
+    passes.add_argument("--grad", action="store_true", help="time forward+backward only")
+    passes.add_argument("--both", action="store_true",
+                        help="time forward, and forward+backward, as two entries")
+    p_tune.add_argument("--from", dest="from_file", default=None, metavar="FILE",
+                        help="more calls: one per line, in these flags (--q ... --kv ... "
+                        "[--causal] [--grad]); # starts a comment")
+    p_tune.add_argument("--out", default=None, metavar="TABLE",
+                        help="the table to write or merge into (default: the cache "
+                        "folder's, which selection reads when nothing else is named)")
+    p_tune.add_argument("--rounds", type=_positive, default=7)
+    p_tune.add_argument("--runs", type=_positive, default=3, help="runs per round")
+    p_tune.add_argument("--warmup", type=_positive, default=2)
+    p_tune.add_argument("--margin", type=_margin, default=0.05,
+                        help="how much faster a backend must be than the priority choice")
+    p_tune.add_argument("--json", action="store_true", help="print the entries as JSON")
+    p_tune.set_defaults(func=cmd_tune)
 
     p_bench = sub.add_parser("bench", help="time installed backends on this device")
     p_bench.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")

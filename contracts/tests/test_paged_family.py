@@ -88,3 +88,22 @@ def test_a_backend_without_paged_support_skips_the_family(tmp_path: Path) -> Non
     assert cert["families"]["paged"] == {"-": {"skipped": 3}}
     assert cert["families"]["paged_unclaimed"] == {"-": {"skipped": 1}}
     assert cert["cases"]["run"] == 0
+
+
+def test_a_case_check_paged_declines_is_skipped_with_its_reason(tmp_path: Path) -> None:
+    pytest.importorskip("attn_backend_reference")
+    from attn_backend_reference._plugin import ReferenceBackend
+
+    class Picky(ReferenceBackend):
+        name = "picky"
+
+        def check_paged(self, call: Any) -> list[str]:
+            return ["no windows on Tuesdays"] if call.window is not None else []
+
+    path = tmp_path / "cert.json"
+    code = run_check(Picky(), str(path), [
+        "--attn-only=paged", "-q", "-p", "no:cacheprovider", "-k",
+        "test_paged_matches_oracle and (paged-window-p-float32 or paged-kv5-float32)"])
+    cert = json.loads(path.read_text())
+    assert code == 0 and not cert["failures"], cert["failures"]
+    assert cert["cases"] == {"run": 2, "passed": 1, "failed": 0, "skipped": 1}

@@ -36,16 +36,20 @@ def _applies(param: Any) -> PagedSuiteCase | tuple[str, str]:
     return param
 
 
-def _paged(suite: Any, case: PagedSuiteCase) -> Any:
-    """The registry's PagedAttention for ``case``'s call on the suite's platform."""
+def _paged(suite: Any, case: PagedSuiteCase, *, declined_skips: bool = True) -> Any:
+    """The registry's PagedAttention for ``case``'s call on the suite's platform.
+
+    A call the manifest allows but the backend's ``check_paged`` declines is
+    skipped with its reasons (shown in the summary and certificate).
+    """
+    if declined_skips:
+        call = suite.registry.explain_paged(device=suite.platform, backend=suite.backend.name,
+                                            **case.call_args()).call
+        reasons = [str(r) for r in suite.backend.check_paged(call)]
+        if reasons:
+            pytest.skip(f"declined by the backend's check_paged(): {'; '.join(reasons)}")
     return suite.registry.get_paged(device=suite.platform, backend=suite.backend.name,
                                     fallback="error", **case.call_args())
-
-
-def _skip_declined(suite: Any, paged_call: Any) -> None:
-    reasons = [str(r) for r in suite.backend.check_paged(paged_call)]
-    if reasons:
-        pytest.skip(f"declined by the backend's check_paged(): {'; '.join(reasons)}")
 
 
 def _batch_case(case: PagedSuiteCase, *, garbage: bool) -> Any:
@@ -89,7 +93,6 @@ def test_paged_matches_oracle(attn_suite: Any, attn_paged: Any) -> None:
     suite, case = attn_suite, _applies(attn_paged)
     with x64_for(case.dtype):
         paged = _paged(suite, case)
-        _skip_declined(suite, paged.call)
         dirty, clean = _batch_case(case, garbage=True), _batch_case(case, garbage=False)
         if case.kind == "same_seq":
             for c in (dirty, clean):
@@ -121,7 +124,6 @@ def test_paged_matches_oracle(attn_suite: Any, attn_paged: Any) -> None:
 def _store_setup(suite: Any, case: PagedSuiteCase) -> tuple[Any, Any, np.ndarray, np.ndarray]:
     """The attention, the batch, and a pool of distinct random K and V in ``dtype``."""
     paged = _paged(suite, case)
-    _skip_declined(suite, paged.call)
     batch = _batch_case(case, garbage=False)
     rng = np.random.default_rng(7)
     k0, v0 = (_f64(jnp.asarray(rng.normal(size=batch.k_pages.shape), case.dtype))
@@ -169,7 +171,6 @@ def test_paged_round_trip(attn_suite: Any, attn_paged_dtype: Any) -> None:
     suite, case = attn_suite, _applies(attn_paged_dtype)
     with x64_for(case.dtype):
         paged = _paged(suite, case)
-        _skip_declined(suite, paged.call)
         dirty = _batch_case(case, garbage=True)
         k, v = (jnp.asarray(x, case.dtype) for x in (dirty.k_pages, dirty.v_pages))
         cache = paged.from_canonical(k, v)
@@ -199,7 +200,7 @@ def test_paged_unclaimed_raises(attn_suite: Any, attn_paged_unclaimed: Any) -> N
     case = unclaimed_case(suite.backend, kind, value)
     if kind != "gradient":
         with x64_for(case.dtype), pytest.raises(attn_backends.UnsupportedError):
-            _paged(suite, case)
+            _paged(suite, case, declined_skips=False)
         return
     paged = _paged(suite, case)
     batch = _batch_case(case, garbage=False)

@@ -1,13 +1,14 @@
 """Helpers for paged-attention tests: ragged batches with garbage where the contract
-says it never matters, the case set every paged backend's tests run
-(:class:`PagedCases`), and fake paged backends (no plugin imports)."""
+says it never matters (:func:`paged_case`, :class:`PagedCase`, from the shipped
+suite's :mod:`attn_backends_contracts.paged_cases`), the case set every paged
+backend's tests run (:class:`PagedCases`), and fake paged backends (no plugin
+imports)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import attn_backends as ab
@@ -19,6 +20,8 @@ from _support import ALL_FEATURES
 from attn_backends import Backend, Capabilities, KVCache, PagedBackend, PagedCapabilities
 from attn_backends.authoring import canonical_write
 from attn_backends.oracle import paged_attention as oracle
+from attn_backends.probe.paged_inputs import BAD_INDEX
+from attn_backends_contracts.paged_cases import PagedCase, paged_case
 
 #: The switches that let the Pallas kernels serve cpu, emulated (slow; for tests).
 INTERPRET = ("ATTN_BACKENDS_PALLAS_INTERPRET", "ATTN_BACKENDS_TRITON_INTERPRET")
@@ -46,96 +49,7 @@ def paged_servers(registry: ab.Registry, device: str, **call: Any) -> list[str]:
         verdicts = registry.explain_paged(device=device, **call).verdicts
     return [v.backend for v in verdicts if v.accepted]
 
-
-#: What the garbage is made of: NaN in floats, an index no pool has in ints.
-BAD_INDEX = 2**30
-
-
-@dataclass
-class PagedCase:
-    """One ragged batch over a canonical pool (NumPy): q ``[T, Hq, D]``, K and V
-    ``[num_pages, page_size, Hkv, D]``, the batch's arrays, and ``slots`` with
-    ``k_rows``/``v_rows``: every filled position's slot and its K and V."""
-
-    q: np.ndarray
-    k_pages: np.ndarray
-    v_pages: np.ndarray
-    cu_q_lens: np.ndarray
-    kv_lens: np.ndarray
-    page_table: np.ndarray
-    num_seqs: int
-    slots: np.ndarray
-    k_rows: np.ndarray
-    v_rows: np.ndarray
-
-    def batch(self) -> ab.PagedBatch:
-        return ab.PagedBatch(jnp.asarray(self.cu_q_lens), jnp.asarray(self.kv_lens),
-                             jnp.asarray(self.page_table), jnp.int32(self.num_seqs))
-
-    def expected(self, **call: Any) -> np.ndarray:
-        """The float64 oracle's answer (``call``: scale, softcap, window)."""
-        return oracle(self.q, self.k_pages, self.v_pages, self.cu_q_lens, self.kv_lens,
-                      self.page_table, self.num_seqs, **call)
-
-
-def paged_case(seqs: Sequence[tuple[int, int]], *, page_size: int, hq: int = 4,
-               hkv: int = 2, d: int = 8, num_seqs: int | None = None, order: str = "random",
-               pad_rows: int = 0, extra_cols: int = 1, spare_pages: int = 2,
-               garbage: bool = True, seed: int = 0) -> PagedCase:
-    """A batch of sequences ``(q_len, kv_len)``; only the first ``num_seqs`` count
-    (default all), the rest are uncounted table rows with garbage metadata.
-
-    ``order``: pages handed out in a random permutation, in ``"reversed"`` order,
-    or ``"shared"`` (every sequence reads sequence 0's pages: its prefix).
-    With ``garbage``, everything the contract says never matters holds NaN (or
-    an impossible index): unreferenced pages, slots past ``kv_lens``, table
-    entries past a sequence's last page, padding rows, uncounted sequences'
-    metadata. Without it, zeros: the same case's zero-filled twin.
-    """
-    rng = np.random.default_rng(seed)
-    num_seqs = len(seqs) if num_seqs is None else num_seqs
-    counted = list(seqs[:num_seqs])
-    pages_of = [-(-kv // page_size) for _, kv in seqs]
-    cols = max(pages_of + [1]) + extra_cols
-    pool = sum(pages_of) + spare_pages
-    free = {"random": rng.permutation(pool), "reversed": np.arange(pool)[::-1],
-            "shared": np.arange(pool)}[order]
-    fill = np.nan if garbage else 0.0
-    bad = BAD_INDEX if garbage else 0
-    table = np.full((len(seqs), cols), bad, np.int32)
-    k_pages = np.full((pool, page_size, hkv, d), fill, np.float32)
-    v_pages = np.full_like(k_pages, fill)
-    slots, k_rows, v_rows = [], [], []
-    used = 0
-    for s, (_, kv) in enumerate(seqs):
-        if order == "shared" and s:
-            assert kv <= seqs[0][1], "shared pages: a sequence reads sequence 0's prefix"
-            table[s, : pages_of[s]] = table[0, : pages_of[s]]
-            continue
-        table[s, : pages_of[s]] = free[used: used + pages_of[s]]
-        used += pages_of[s]
-        for p in range(kv):
-            slot = int(table[s, p // page_size]) * page_size + p % page_size
-            k, v = rng.normal(size=(2, hkv, d)).astype(np.float32)
-            k_pages[slot // page_size, slot % page_size] = k
-            v_pages[slot // page_size, slot % page_size] = v
-            slots.append(slot)
-            k_rows.append(k)
-            v_rows.append(v)
-    q_lens = [q for q, _ in counted]
-    cu = np.full(len(seqs) + 1, bad, np.int32)
-    cu[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens, dtype=np.int64)])
-    if not garbage:
-        cu[num_seqs + 1:] = cu[num_seqs]
-    kv_lens = np.array([kv if s < num_seqs else bad for s, (_, kv) in enumerate(seqs)], np.int32)
-    rows = int(cu[num_seqs]) + pad_rows
-    q = rng.normal(size=(rows, hq, d)).astype(np.float32)
-    q[int(cu[num_seqs]):] = fill
-    empty = np.zeros((0, hkv, d), np.float32)
-    return PagedCase(q, k_pages, v_pages, cu, kv_lens, table, num_seqs,
-                     np.asarray(slots, np.int32), np.asarray(k_rows) if k_rows else empty,
-                     np.asarray(v_rows) if v_rows else empty)
-
+__all__ = ["BAD_INDEX", "PS", "PagedCase", "PagedCases", "make_paged_backend", "paged_case"]
 
 #: Page size of :class:`PagedCases`: small, so a few tokens cross several pages.
 PS = 4

@@ -341,3 +341,13 @@ def test_probe_checks_the_inference_program_and_the_training_program_apart():
     assert [r.split(" differs")[0] for r in wrong_inference] == ["probe: out"]
     wrong_training = _probe.run_probe(_split_forward(1.0, 1.5), call, "cpu")
     assert [r.split(" differs")[0] for r in wrong_training] == ["probe, forward under jax.vjp: out"]
+
+
+def test_a_verdict_whose_key_holds_a_tuple_is_read_back_from_disk(isolated_cache):
+    # A window is a tuple in the key and a list on disk: the two must still match.
+    runs = []
+    q, k, v = qkv()
+    for _ in range(2):
+        reg = _prober_registry(lambda *a: runs.append(a) or [], make_backend("fine", priority=9))
+        assert reg.get(device="cpu").explain(q, k, v, window=(3, 0)).chosen == "fine"
+    assert len(runs) == 1

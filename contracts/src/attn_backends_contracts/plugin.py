@@ -20,9 +20,14 @@ from typing import Any
 import pytest
 
 from ._case import Case
+from ._paged_case import PagedSuiteCase
 
 #: Fixture names the suite parametrizes; a test without them is left alone.
-_PARAMETERS = ("attn_case", "attn_unclaimed", "attn_dtype", "attn_masking", "attn_dropout")
+_PARAMETERS = ("attn_case", "attn_unclaimed", "attn_dtype", "attn_masking", "attn_dropout",
+               "attn_paged", "attn_paged_dtype", "attn_paged_unclaimed")
+#: The paged family's parameters: for a backend without paged support each test
+#: gets one, the reason it does not apply, and skips with it.
+_PAGED = ("attn_paged", "attn_paged_dtype", "attn_paged_unclaimed")
 #: The one line a run of the suite with no backend named stops with.
 NO_BACKEND = (
     "attn-backends conformance suite: no backend named; pass --attn-backend=NAME "
@@ -88,12 +93,32 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
         chosen = dropout_cases(suite.caps)
         metafunc.parametrize(name, chosen, ids=[c.id for c in chosen])
+    elif name in _PAGED:
+        _parametrize_paged(metafunc, name, suite)
     elif name == "attn_dtype":
         dtypes = sorted(suite.caps.dtypes)
         metafunc.parametrize(name, dtypes, ids=dtypes)
     else:
         features = suite.masking()
         metafunc.parametrize(name, features, ids=features)
+
+
+def _parametrize_paged(metafunc: pytest.Metafunc, name: str, suite: Any) -> None:
+    from . import paged_cases
+
+    reason = paged_cases.not_applicable(suite.backend, suite.platform)
+    if reason is not None:
+        metafunc.parametrize(name, [reason], ids=["not-applicable"])
+    elif name == "attn_paged_unclaimed":
+        values = paged_cases.paged_unclaimed(suite.backend)
+        metafunc.parametrize(name, values, ids=[f"{k}-{v}" for k, v in values])
+    else:
+        # An emulated (interpret-mode) backend runs the reduced table in full runs
+        # too: each case interprets its kernel, slowly.
+        quick = suite.quick or paged_cases.emulated(suite.backend, suite.platform)
+        chosen = (paged_cases.paged_cases_for(suite.backend, quick=quick)
+                  if name == "attn_paged" else paged_cases.paged_dtypes(suite.backend))
+        metafunc.parametrize(name, chosen, ids=[c.id for c in chosen])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -138,8 +163,9 @@ class _Recorder:
             fam = getattr(fn, "_attn_family", None)
             params = getattr(getattr(item, "callspec", None), "params", {})
             # A parameter set left empty (no dropout claimed) holds pytest's NOTSET.
-            case = next((p for p in (params.get("attn_case"), params.get("attn_dropout"))
-                         if isinstance(p, Case)), None)
+            case = next((p for p in (params.get(n) for n in ("attn_case", "attn_dropout",
+                                                               *_PAGED))
+                         if isinstance(p, (Case, PagedSuiteCase))), None)
             if case is None and fam is None:
                 kept.append(item)
                 continue

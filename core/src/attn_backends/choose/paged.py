@@ -30,7 +30,8 @@ from .dispatch import unavailable_message
 from .select import Explanation, Verdict, rank
 
 #: ``probe(backend, call, platform, options) -> reasons`` for paged calls (None:
-#: nothing compared). The seam for paged probes: no registry passes one yet.
+#: nothing compared). The registry passes its probe's ``paged`` (core's prober:
+#: :meth:`attn_backends.probe.prober.Prober.paged`).
 PagedProbe = Callable[[Backend, PagedCall, str, Any], "list[str] | None"]
 
 NOT_PAGED = "no paged support (the backend does not implement attn_backends.PagedBackend)"

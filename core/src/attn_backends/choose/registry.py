@@ -16,7 +16,7 @@ from .select import Explanation, Probe, Tuning
 
 if TYPE_CHECKING:
     from .attention import Attention, ParallelLayer
-    from .paged import PagedAttention
+    from .paged import PagedAttention, PagedProbe
 
 FALLBACK_MODES = ("warn", "error", "silent")
 
@@ -46,9 +46,11 @@ class Registry:
     registered besides the entry points. Settings left as None come from the
     ``ATTN_BACKENDS_*`` environment variables when discovery runs. ``probe`` is
     None (no probes), a callable ``probe(backend, call, platform, options) ->
-    reasons``, or a :class:`Lazy` one. ``parallel`` loads the layer that serves
-    sharded inputs (None: they raise UnsupportedError). ``tuning`` reads tuning
-    tables (None: selection never consults one), a callable or a :class:`Lazy` one.
+    reasons``, or a :class:`Lazy` one; paged calls are probed by its ``paged``
+    attribute (the same signature with a PagedCall) when it has one. ``parallel``
+    loads the layer that serves sharded inputs (None: they raise UnsupportedError).
+    ``tuning`` reads tuning tables (None: selection never consults one), a
+    callable or a :class:`Lazy` one.
     """
 
     def __init__(
@@ -312,10 +314,14 @@ class Registry:
             call, platform, list(candidates.values()), jax_version=_jax_version(),
             present=present, prefer=prefer,
             distributions={n: o.distribution for n, o in self.origins.items()},
-            # The seam for paged probes (a later phase): none runs yet, so every
-            # verdict is the manifest's and check_paged's.
-            probe=None, options=backend_options)
+            probe=self.paged_probe, options=backend_options)
         return explanation, present
+
+    @property
+    def paged_probe(self) -> PagedProbe | None:
+        """The probe paged selection consults: the registry probe's ``paged``
+        (core's prober has one), or None (a probe without it judges dense calls only)."""
+        return getattr(self.probe, "paged", None)
 
     def _sharding_request(self, mesh: Any, spec: Any, sequence_axis: str | None,
                           ring_block: int | None) -> Any:

@@ -4,7 +4,9 @@ Shares no code with any backend. Forward and a closed-form backward, both in
 float64, written for clarity over speed: every quantity is dense
 ``[B, Hq, Tq, Tk]``. The runtime probe and the conformance suite both judge
 backends against it, and :func:`magnitudes` gives the scale each compared
-element is judged at.
+element is judged at. The paged oracle (:func:`paged_attention`) and the ragged
+batches the paged probe and suite judge it on (:func:`paged_case`, :class:`PagedCase`)
+are public here too.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from .paged_inputs import PagedCase, paged_case
 from .paged_oracle import paged_attention
 
-__all__ = ["attention", "attention_vjp", "magnitudes", "paged_attention", "visibility"]
+__all__ = ["PagedCase", "attention", "attention_vjp", "magnitudes", "paged_attention",
+           "paged_case", "visibility"]
 
 
 def _f64(x: Any) -> np.ndarray:

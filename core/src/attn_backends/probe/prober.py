@@ -14,6 +14,10 @@ A stored certificate that still counts (:mod:`.certificates`: same
 environment, same code) stands for a passed probe of calls with default
 options. The dense oracle is core's own (:mod:`attn_backends.oracle`), so
 probes never depend on another distribution being installed.
+
+Paged calls (:meth:`Prober.paged`, handed to paged selection) follow the same
+rules: their verdict key holds the :class:`~attn_backends.PagedCall` itself (it
+has no lengths to make canonical), and :mod:`.paged_run` runs the probe.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ from typing import Any
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, bind, bindable
 from ..contract.environment import device_kind, env_setting, versions
+from ..contract.paged import PagedCall
 from . import call as _probe_call
 from . import certificates as _certificates
 from . import verdicts as _verdicts
 from .digests import code_digests
+from .paged_run import run_paged_probe
 from .run import run_probe
 
 logger = logging.getLogger("attn_backends")
@@ -114,6 +120,8 @@ def quarantined(backend: str | None = None) -> list[dict[str, Any]]:
 
 #: ``runner(backend, call, platform, options) -> reasons`` (None: nothing to compare).
 Runner = Callable[[Backend, AttentionCall, str, Any], "list[str] | None"]
+#: ``paged_runner(backend, call, platform, options) -> reasons`` for paged calls.
+PagedRunner = Callable[[Backend, PagedCall, str, Any], "list[str] | None"]
 
 
 @dataclass(frozen=True)
@@ -140,10 +148,16 @@ def options_token(options: Any) -> str | None:
 
 
 def probe_key(
-    backend: Backend, call: AttentionCall, platform: str, options: Any = None
+    backend: Backend, call: AttentionCall | PagedCall, platform: str, options: Any = None
 ) -> dict[str, Any]:
-    """Everything a verdict depends on; its hash names the cache file."""
+    """Everything a verdict depends on; its hash names the cache file. A paged
+    call is keyed by itself (``paged_call``), a dense one by its canonical probe
+    call (``probe_call``)."""
     digests = code_digests(backend)
+    if isinstance(call, PagedCall):
+        probed = {"paged_call": dataclasses.asdict(dataclasses.replace(call, platform=None))}
+    else:
+        probed = {"probe_call": dataclasses.asdict(_probe_call.canonical(call))}
     return {
         "backend": backend.name,
         "backend_version": backend.version,
@@ -153,20 +167,23 @@ def probe_key(
         "platform": platform,
         "device_kind": device_kind(platform),
         "options": options_token(options),
-        "probe_call": dataclasses.asdict(_probe_call.canonical(call)),
+        **probed,
     }
 
 
 class Prober:
-    """The registry's probe: ``prober(backend, call, platform, options) -> reasons``.
+    """The registry's probe: ``prober(backend, call, platform, options) -> reasons``,
+    and ``prober.paged(...)`` the same for paged calls.
 
-    ``runner`` does the comparison (tests substitute a fake one). Returns
-    the reasons the backend failed (empty: passed), or None when nothing
-    was compared (its ``check`` rejects every probe shape).
+    ``runner`` and ``paged_runner`` do the comparison (tests substitute fake
+    ones). Returns the reasons the backend failed (empty: passed), or None
+    when nothing was compared (its ``check`` rejects every probe shape).
     """
 
-    def __init__(self, *, runner: Runner = run_probe, budget_s: float | None = None):
+    def __init__(self, *, runner: Runner = run_probe,
+                 paged_runner: PagedRunner = run_paged_probe, budget_s: float | None = None):
         self._runner = runner
+        self._paged_runner = paged_runner
         self.budget_s = budget_s if budget_s is not None else env_setting(
             "ATTN_BACKENDS_PROBE_BUDGET_S", _seconds, accepts="a number of seconds > 0",
             default=DEFAULT_BUDGET_S)
@@ -179,10 +196,19 @@ class Prober:
         verdict = self.verdict(backend, call, platform, options)
         return None if verdict.source == "unprobed" else list(verdict.reasons)
 
+    def paged(
+        self, backend: Backend, call: PagedCall, platform: str, options: Any = None
+    ) -> list[str] | None:
+        """The paged probe handed to paged selection: the reasons ``backend`` fails
+        the paged ``call`` (empty: it passes), under the dense probe's rules."""
+        return self(backend, call, platform, options)
+
     def verdict(
-        self, backend: Backend, call: AttentionCall, platform: str, options: Any = None
+        self, backend: Backend, call: AttentionCall | PagedCall, platform: str,
+        options: Any = None,
     ) -> ProbeVerdict:
-        """The cached verdict for this key, probing first if there is none."""
+        """The cached verdict for this key (dense or paged call), probing first if
+        there is none."""
         key = probe_key(backend, call, platform, options)
         digest = _verdicts.digest(key)
         with self._lock:
@@ -215,9 +241,11 @@ class Prober:
         return len(self._memory)
 
     def _run(
-        self, backend: Backend, call: AttentionCall, platform: str, options: Any
+        self, backend: Backend, call: AttentionCall | PagedCall, platform: str, options: Any
     ) -> ProbeVerdict:
         start = time.perf_counter()
+        runner: Callable[..., Any] = (
+            self._paged_runner if isinstance(call, PagedCall) else self._runner)
         # Selection runs while the caller's function is being traced, and JAX's
         # trace state is per thread: a worker thread runs the probe eagerly on
         # concrete arrays instead of joining the caller's program, and bounds
@@ -228,7 +256,7 @@ class Prober:
 
         def work() -> None:
             try:
-                done.put(("ok", context.run(self._runner, backend, call, platform, options)))
+                done.put(("ok", context.run(runner, backend, call, platform, options)))
             except Exception as exc:  # noqa: BLE001 - handed to the caller below
                 done.put(("raised", exc))
 
@@ -278,13 +306,15 @@ class Prober:
             bool(data["passed"]), tuple(data["reasons"]), float(data["seconds"]), "disk"
         )
 
-    def _write(self, key: dict[str, Any], verdict: ProbeVerdict, call: AttentionCall) -> None:
+    def _write(self, key: dict[str, Any], verdict: ProbeVerdict,
+               call: AttentionCall | PagedCall) -> None:
+        probed = call if isinstance(call, PagedCall) else _probe_call.canonical(call)
         record = {
             "passed": verdict.passed,
             "reasons": list(verdict.reasons),
             "seconds": verdict.seconds,
             "source": verdict.source,
-            "probe_call": _probe_call.canonical(call).describe(),
+            "probe_call": probed.describe(),
             "first_seen_on": call.describe(),
         }
         # An unwritable cache keeps it in memory, with one warning (the store's).

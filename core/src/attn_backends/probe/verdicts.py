@@ -56,7 +56,8 @@ def read(key: dict[str, Any]) -> dict[str, Any] | None:
     found was made under another key, or when it is unreadable (reported once
     with a warning naming the file; the caller probes again)."""
     data = STORE.read(digest(key))
-    if data is None or data.get("key") != key:
+    # Compared as JSON holds it: a tuple in the key (a window) is a list on disk.
+    if data is None or data.get("key") != json.loads(json.dumps(key)):
         return None
     return data
 

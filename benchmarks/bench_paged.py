@@ -50,7 +50,7 @@ import attn_backends
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attn_backend_xla_native import XlaNativeBackend
+from attn_backend_xla_native import PagedConfig, XlaNativeBackend
 from attn_backend_xla_native._plan import DECODE_MIN_JAXLIB, _jaxlib_at_least
 
 _BACKEND = XlaNativeBackend()
@@ -122,10 +122,12 @@ def make_pool(shape: Shape, seed: int = 0) -> Pool:
     return Pool(lengths, k, v, k_pages, v_pages, table)
 
 
-def get_paged(shape: Shape) -> Any:
+def get_paged(shape: Shape, config: PagedConfig | None = None) -> Any:
+    """xla_native's paged attention for ``shape`` (``config``: None for its defaults)."""
     return attn_backends.registry.get_paged(
-        backend="xla_native", num_q_heads=shape.hq, num_kv_heads=shape.hkv,
-        head_dim=shape.d, page_size=shape.page_size, dtype="float32")
+        backend="xla_native", backend_options={"xla_native": config},
+        num_q_heads=shape.hq, num_kv_heads=shape.hkv, head_dim=shape.d,
+        page_size=shape.page_size, dtype="float32")
 
 
 def _timed(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -171,7 +173,7 @@ def _check_close(name: str, got: Any, want: Any) -> float:
 
 def decode_bench(shape: Shape, pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     """Part 1: the paged decode step against the contiguous decode path."""
-    paged = get_paged(shape)
+    paged = get_paged(shape, args.config)
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((shape.seqs, shape.hq, shape.d), np.float32))
     cache = paged.from_canonical(jnp.asarray(pool.k_pages), jnp.asarray(pool.v_pages))
@@ -204,7 +206,7 @@ def decode_bench(shape: Shape, pool: Pool, args: argparse.Namespace) -> dict[str
 def mixed_bench(shape: Shape, pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     """Part 2: one prefill chunk plus decode steps, paged in one call against two
     dense calls."""
-    paged = get_paged(shape)
+    paged = get_paged(shape, args.config)
     rng = np.random.default_rng(2)
     s, chunk = shape.seqs, shape.prefill
     q = jnp.asarray(rng.standard_normal((chunk + s - 1, shape.hq, shape.d), np.float32))
@@ -238,10 +240,11 @@ def mixed_bench(shape: Shape, pool: Pool, args: argparse.Namespace) -> dict[str,
     return result
 
 
-def memory_bench(shape: Shape, pool: Pool, factors: tuple[int, ...]) -> list[dict[str, int]]:
+def memory_bench(shape: Shape, pool: Pool, factors: tuple[int, ...],
+                 config: PagedConfig | None) -> list[dict[str, int]]:
     """Part 3: temporary bytes of the compiled decode step, pool sizes ``factors``
     times the benchmark's (compile only, nothing allocated)."""
-    paged = get_paged(shape)
+    paged = get_paged(shape, config)
     i32, s = jnp.int32, shape.seqs
     batch = attn_backends.PagedBatch(
         jax.ShapeDtypeStruct((s + 1,), i32), jax.ShapeDtypeStruct((s,), i32),
@@ -291,7 +294,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--skip", type=lambda s: s.split(","), default=[],
                         help="parts to skip: decode, mixed, memory")
+    parser.add_argument("--pages-per-block", type=int, default=None,
+                        help="xla_native's PagedConfig (default: PagedConfig.default_for)")
+    parser.add_argument("--rows-per-tile", type=int, default=None)
     args = parser.parse_args(argv)
+    args.config = None
+    if args.pages_per_block or args.rows_per_tile:
+        default = PagedConfig.default_for(get_paged(Shape.full()).call)
+        args.config = PagedConfig(args.pages_per_block or default.pages_per_block,
+                                  args.rows_per_tile or default.rows_per_tile)
     args.rounds = args.rounds or (1 if args.quick else 5)
     shape = Shape.quick() if args.quick else Shape.full()
     pool = make_pool(shape)
@@ -301,13 +312,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shape": shape.__dict__, "lengths": pool.lengths.tolist(),
         "num_pages": int(pool.k_pages.shape[0]), "rounds": args.rounds, "reps": args.reps,
         "contiguous_is_decode_path": _jaxlib_at_least(DECODE_MIN_JAXLIB),
+        "paged_config": None if args.config is None else args.config.__dict__,
     }
     if "decode" not in args.skip:
         result["decode"] = decode_bench(shape, pool, args)
     if "mixed" not in args.skip:
         result["mixed"] = mixed_bench(shape, pool, args)
     if "memory" not in args.skip:
-        result["memory"] = memory_bench(shape, pool, (1, 2, 4, 8))
+        result["memory"] = memory_bench(shape, pool, (1, 2, 4, 8), args.config)
     result["load_average_end"] = list(os.getloadavg())
     if args.json:
         json.dump(result, sys.stdout, indent=1)

@@ -1,8 +1,9 @@
 """xla_native's paged attention (docs/DESIGN.md, "Paged attention"): the shared
 case set against the float64 oracle (tests/_paged_support.py's
 :class:`PagedCases`) with blocks of 2 pages, so sequences cross several blocks
-and a block several pages, and with its default blocks; selection on cpu; and
-temporary memory that does not grow with the pool.
+and a block several pages, with tiles of 2 rows, so prefill chunks span several
+tiles, and with its defaults; selection on cpu; and temporary memory that does
+not grow with the pool.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ class TestXlaNativePagedDefaultBlocks(PagedCases):
     backend = "xla_native"
 
 
+class TestXlaNativePagedTwoRowTiles(PagedCases):
+    """Tiles of 2 rows: every prefill chunk of the case set spans several tiles,
+    most ending in a partial one."""
+
+    backend = "xla_native"
+    options = PagedConfig(pages_per_block=2, rows_per_tile=2)
+
+
 def test_cpu_selection_picks_xla_native_over_reference():
     paged = ab.registry.get_paged(device="cpu", num_q_heads=8, num_kv_heads=2, head_dim=16,
                                   page_size=16, dtype="bfloat16", softcap=30.0,
@@ -42,9 +51,11 @@ def test_cpu_selection_picks_xla_native_over_reference():
     assert "reference" in verdicts
 
 
-def test_pages_per_block_is_checked():
+def test_pages_per_block_and_rows_per_tile_are_checked():
     with pytest.raises(ValueError, match="pages_per_block must be an int >= 1, got 0"):
         PagedConfig(pages_per_block=0)
+    with pytest.raises(ValueError, match="rows_per_tile must be an int >= 1, got True"):
+        PagedConfig(pages_per_block=1, rows_per_tile=True)
 
 
 def _temp_bytes(num_pages: int) -> int:

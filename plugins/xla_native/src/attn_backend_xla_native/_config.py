@@ -88,18 +88,27 @@ def _fit(call: AttentionCall, platform: str, block_q: int, block_kv: int) -> tup
 #: Keys one block holds by default: enough to amortise a loop iteration, small
 #: enough that a decode step's gather stays a few rows of the cache.
 _BLOCK_KEYS = 128
+#: Query rows of one sequence per tile (prefill chunks): one gather of a block
+#: of pages serves them all.
+_ROWS_PER_TILE = 16
 
 
 @dataclass(frozen=True)
 class PagedConfig:
-    """Pages per block of the paged kernel (``pages_per_block`` >= 1)."""
+    """Pages per block and query rows per tile of the paged kernel (each >= 1).
+
+    A tile holds up to ``rows_per_tile`` rows of one sequence; a batch of decode
+    steps only runs tiles of one row whatever ``rows_per_tile`` says.
+    """
 
     pages_per_block: int
+    rows_per_tile: int = _ROWS_PER_TILE
 
     def __post_init__(self) -> None:
-        if not isinstance(self.pages_per_block, int) or self.pages_per_block < 1:
-            raise ValueError(f"PagedConfig: pages_per_block must be an int >= 1, "
-                             f"got {self.pages_per_block!r}")
+        for name in ("pages_per_block", "rows_per_tile"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedConfig: {name} must be an int >= 1, got {value!r}")
 
     @classmethod
     def default_for(cls, call: PagedCall) -> PagedConfig:

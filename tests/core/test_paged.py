@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _paged_support import make_paged_backend, paged_case
-from _support import make_backend
+from _support import Plugin, make_backend
 from attn_backends.choose.paged import NOT_PAGED
 
 CALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
@@ -247,3 +247,32 @@ def test_paged_attention_is_not_loaded_by_import():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_a_paged_attention_for_an_absent_platform_exports_for_it_and_runs_nowhere_else():
+    """On this cpu machine, a tpu selection traces for jax.export(platforms=["tpu"]);
+    running it, or lowering it for cpu, raises PlatformUnavailableError."""
+    backend = make_paged_backend("tpu_only", platforms=("tpu",))
+    # A plain-jnp program (the fakes' oracle is a host callback, which no export holds).
+    backend.attend_paged = lambda call, q, cache, batch, options=None: q * cache.arrays[0].max()
+    registry = ab.Registry(plugins=[Plugin(backend)], autoload=False, probe=None)
+    paged = registry.get_paged(device="tpu", num_q_heads=4, num_kv_heads=2, head_dim=8,
+                               page_size=4, dtype="float32")
+    assert not paged.present
+    cache = jax.eval_shape(lambda: paged.init_cache(6))
+    i32 = jnp.int32
+    batch = ab.PagedBatch(jax.ShapeDtypeStruct((3,), i32), jax.ShapeDtypeStruct((2,), i32),
+                          jax.ShapeDtypeStruct((2, 3), i32), jax.ShapeDtypeStruct((), i32))
+    q = jax.ShapeDtypeStruct((5, 4, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((5, 2, 8), jnp.float32)
+    slots = jax.ShapeDtypeStruct((5,), i32)
+    for fn, args in ((paged.__call__, (q, cache, batch)), (paged.write, (cache, kv, kv, slots))):
+        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+        assert exported.platforms == ("tpu",)
+        assert "attn_backends_platform_unavailable" not in exported.mlir_module()
+        with pytest.raises(ab.PlatformUnavailableError, match="JAX sees no tpu here"):
+            jax.jit(fn).lower(*args).compile()
+    with pytest.raises(ab.PlatformUnavailableError, match="JAX sees no tpu here"):
+        paged(jnp.zeros((5, 4, 8)), paged.init_cache(6),
+              ab.PagedBatch(jnp.array([0, 2, 5]), jnp.array([2, 3]), jnp.zeros((2, 3), i32),
+                            jnp.int32(2)))

@@ -26,7 +26,7 @@ from ..contract.errors import (
 )
 from ..contract.paged import KVCache, PagedBackend, PagedBatch, PagedCall
 from ..contract.paged_bind import check_attend, check_batch_values, check_cache, check_write
-from .dispatch import unavailable_message
+from .dispatch import on_platforms, unavailable_message
 from .select import Explanation, Verdict, rank
 
 #: ``probe(backend, call, platform, options) -> reasons`` for paged calls (None:
@@ -174,16 +174,25 @@ class PagedAttention:
         """Every backend's verdict for this paged call (made at ``get_paged``)."""
         return self.explanation
 
-    def _require_present(self) -> None:
-        if not self.present:
+    def _require_present(self, x: Any) -> None:
+        """Refuse to run for a platform JAX does not see; tracing (``jax.export``
+        for it) is allowed, and lowering for another platform is refused by
+        :func:`on_platforms`, as for dense calls."""
+        if not self.present and not isinstance(x, jax.core.Tracer):
             raise PlatformUnavailableError(unavailable_message([self.explanation.platform]))
 
+    def _on_platform(self, fn: Callable[..., Any], placeholder: Callable[..., Any],
+                     *args: Any) -> Any:
+        """``fn(*args)`` lowered for the selected platform only (docs/DESIGN.md,
+        section 4: lowering for another one raises PlatformUnavailableError)."""
+        return on_platforms({self.explanation.platform: fn}, placeholder, *args)
+
     def init_cache(self, num_pages: int) -> KVCache:
-        """A zero-filled cache of ``num_pages`` pages in the serving backend's layout."""
+        """A zero-filled cache of ``num_pages`` pages in the serving backend's layout
+        (made on the host's default device; for an export, ``jax.eval_shape`` it)."""
         if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
                 or num_pages < 1:
             raise ValueError(f"num_pages: expected a static int >= 1, got {num_pages!r}")
-        self._require_present()
         return self._paged.init_cache(self.call, int(num_pages))
 
     def _check_cache(self, cache: Any) -> None:
@@ -195,7 +204,7 @@ class PagedAttention:
         """The cache with k, v ``[T, Hkv, D]`` at ``slots`` int ``[T]`` (``page *
         page_size + offset``; negative: padding, writes nothing). Functional: jit it
         with ``donate_argnums`` for the cache to update in place."""
-        self._require_present()
+        self._require_present(k)
         self._check_cache(cache)
         check_write(self.call, k, v, slots)
         known = _concrete(slots)
@@ -203,12 +212,19 @@ class PagedAttention:
         if known is not None and known.size and known.max() >= flat:
             raise ValueError(f"slots: expected each < num_pages * page_size = {flat} (or "
                              f"negative for padding), got {int(known.max())}")
-        return self._paged.write(self.call, cache, k, v, jnp.asarray(slots, jnp.int32))
+        def write(arrays: Any, k: Any, v: Any, slots: Any) -> Any:
+            written = self._paged.write(self.call, KVCache(arrays, *static), k, v, slots)
+            return written.arrays
+
+        static = (cache.layout, cache.page_size, cache.num_pages)
+        arrays = self._on_platform(write, lambda arrays, *_: arrays, cache.arrays, k, v,
+                                   jnp.asarray(slots, jnp.int32))
+        return KVCache(tuple(arrays), *static)
 
     def __call__(self, q: Any, cache: KVCache, batch: PagedBatch) -> Any:
         """q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` in q's dtype; rows past
         ``cu_q_lens[num_seqs]`` are zeros."""
-        self._require_present()
+        self._require_present(q)
         self._check_cache(cache)
         check_attend(self.call, q, batch)
         batch = PagedBatch(*(jnp.asarray(x, jnp.int32) for x in batch[:3]),
@@ -219,9 +235,14 @@ class PagedAttention:
             check_batch_values(self.call, q.shape[0], cache.num_pages, cu, kv, table, int(num))
         call = dataclasses.replace(self.call, platform=self.explanation.platform)
         q, arrays = self._guard(q, cache.arrays)
-        cache = KVCache(arrays, cache.layout, cache.page_size, cache.num_pages)
-        with jax.named_scope(f"attn_paged/{self.backend.name}"):
-            out = self._paged.attend_paged(call, q, cache, batch, self.options)
+        static = (cache.layout, cache.page_size, cache.num_pages)
+
+        def attend(q: Any, arrays: Any, batch: PagedBatch) -> Any:
+            with jax.named_scope(f"attn_paged/{self.backend.name}"):
+                return self._paged.attend_paged(call, q, KVCache(arrays, *static), batch,
+                                                self.options)
+
+        out = self._on_platform(attend, lambda q, *_: jnp.zeros_like(q), q, arrays, batch)
         if self.call.max_q_len is not None:
             out = _flag_long_sequences(out, batch, self.call.max_q_len)
         return out

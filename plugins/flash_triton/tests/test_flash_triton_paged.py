@@ -18,8 +18,9 @@ import dataclasses
 import attn_backends as ab
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from _paged_support import PagedCases
+from _paged_support import PS, PagedCases, paged_case
 from attn_backend_flash_triton import ENV_VAR, FlashTritonBackend, TritonPagedBlocks, interpret_mode
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -49,6 +50,21 @@ class TestFlashTritonPaged(PagedCases):
         # the keys before it.
         call = {} if window is None else dict(window=window)
         self.agrees([(5, 70), (1, 45), (19, 40)], call=call, pad_rows=2)
+
+    def test_bfloat16_within_its_rounding(self):
+        # The kernel's dots take bf16 (q scaled in bf16, weights cast to bf16);
+        # the oracle runs in float64 on the same bf16-rounded inputs.
+        case = paged_case([(5, 37), (1, 40)], page_size=PS, d=self.head_dim, pad_rows=1)
+        rounded = [np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+                   for x in (case.q, case.k_pages, case.v_pages)]
+        case.q, case.k_pages, case.v_pages = rounded
+        paged = self.paged(dtype="bfloat16")
+        cache = paged.from_canonical(*(jnp.asarray(x, jnp.bfloat16) for x in rounded[1:]))
+        out = jax.jit(paged.__call__)(jnp.asarray(case.q, jnp.bfloat16), cache, case.batch())
+        assert out.dtype == jnp.bfloat16
+        out = np.asarray(out.astype(jnp.float32))
+        np.testing.assert_allclose(out, case.expected(), atol=2e-2, rtol=0)
+        assert np.abs(out - case.expected()).max() > 0  # really computed in bf16
 
 
 def _gpu_target():

@@ -51,11 +51,13 @@ import, silenced here as for the dense kernel):
   every key is a real one; its keys outside (fewer than a block at the end,
   and with a window fewer than a block at the start) are gathered here, one
   compute block each, zeroed by ``where`` before any product, and attended in
-  float32. This needs the partitions' (o, l, m), which the public wrapper does
-  not return, so this module runs JAX's ``paged_attention_kernel`` under its
-  own ``pallas_call`` (the same grid and blocks as the wrapper; o kept in
-  float32, where the wrapper stores it in q's dtype) and merges the partitions
-  and edge blocks itself (online-softmax merge). Table entries the rows do not
+  float32 (temporary ``[rows, Hkv, keys per block, D]`` per edge: small for
+  decode steps, a block per row for a prefill chunk). This needs the
+  partitions' (o, l, m), which the public wrapper does not return, so this
+  module runs JAX's ``paged_attention_kernel`` under its own ``pallas_call``
+  (the same grid and blocks as the wrapper; o kept in float32, where the
+  wrapper stores it in q's dtype) and merges the partitions and edge blocks
+  itself (online-softmax merge). Table entries the rows do not
   use are clipped into the pool; padding rows get length 0 and output zeros.
 - ``scale`` is folded into q (in float32, then q's dtype) before the kernel.
 """
@@ -208,7 +210,7 @@ def paged_attention(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
     import jax.numpy as jnp
 
     rows, (seqs, width) = q.shape[0], batch.page_table.shape
-    if rows == 0 or seqs == 0:
+    if rows == 0 or seqs == 0 or width == 0:  # no row sees a key
         return jnp.zeros_like(q)
     f32 = jnp.float32
     hkv, g, d = call.kv_heads, call.group, call.head_dim

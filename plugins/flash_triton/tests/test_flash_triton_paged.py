@@ -112,7 +112,11 @@ def test_a_simulated_gpu_selects_flash_triton_and_cpu_needs_the_switch(monkeypat
 
 def test_cuda_lowering_holds_the_triton_call_and_no_copy_of_the_pool():
     """A mixed batch (a 64-row prefill chunk and decode steps) on a 1000-page pool,
-    with the gpu defaults (the backend as get_paged(device="gpu") binds it)."""
+    with the gpu defaults (the backend as get_paged(device="gpu") binds it).
+
+    Through the backend, with the call core would hand it: core refuses to run a
+    PagedAttention for a platform JAX does not see (docs/DESIGN.md: export for an
+    absent platform is a later phase); the next test lowers core's __call__."""
     paged = ab.Registry(only=["flash_triton"]).get_paged(device="gpu", **CALL, softcap=30.0,
                                                          window=(256, None))
     call = dataclasses.replace(paged.call, platform="gpu")

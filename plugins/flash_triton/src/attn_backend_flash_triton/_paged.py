@@ -20,17 +20,21 @@ import, silenced here as for the dense kernel):
   k_splits)``: each program walks its partition of ``pages_per_sequence /
   k_splits`` table entries in compute blocks of ``pages_per_compute_block``
   pages (keys per block a power of two >= 16), up to the block holding the last
-  page of ``lengths[b]``; the whole pool is one block (a pointer in Triton; in
-  interpret mode each program slices it, so tests keep pools small).
+  page of ``lengths[b]`` (a partition past it is skipped by a ``cond``, so
+  length 0 gives o = 0, l = 0); ``pages_per_sequence`` must divide by
+  ``k_splits`` and each partition by ``pages_per_compute_block`` (asserted);
+  the whole pool is one block (a pointer in Triton; in interpret mode each
+  program slices it, so tests keep pools small).
   Accumulation float32 (the softmax weights are cast to V's dtype before their
   dot); float32 dots run at JAX's default precision on a GPU (TF32 on Ampere
   and later), IEEE float32 in interpret mode.
-- Keys past ``lengths`` are hidden by a ``where`` on the logits only, so their
-  V is multiplied by an exact zero weight: NaN or Inf there (which the contract
-  allows) would make the output NaN (``0 * NaN``); and the last compute block
-  reads whole pages past the sequence's last one through the table.
-- The public wrapper merges the partitions and returns the normalised output
-  only: no logsumexp.
+- Keys past ``lengths`` are hidden by a ``where`` on the logits only (to
+  ``-0.7 * float32 max``, not -inf), so their V is multiplied by an exact zero
+  weight: NaN or Inf there (which the contract allows) would make the output
+  NaN (``0 * NaN``); and the last compute block reads whole pages past the
+  sequence's last one through the table.
+- The public wrapper merges the partitions (``o / (l + eps)``, o kept in q's
+  dtype in between) and returns the normalised output only: no logsumexp.
 
 **The mapping** (what this module adds):
 

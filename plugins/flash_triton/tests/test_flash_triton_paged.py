@@ -51,6 +51,15 @@ class TestFlashTritonPaged(PagedCases):
         call = {} if window is None else dict(window=window)
         self.agrees([(5, 70), (1, 45), (19, 40)], call=call, pad_rows=2)
 
+    def test_options_reach_the_kernel(self):
+        # 32-key blocks in 3 partitions: the 19-column table rounds up to 24
+        # kernel columns, and 70 keys put a block in each of two partitions.
+        self.options = TritonPagedBlocks(pages_per_compute_block=8, k_splits=3)  # this test's
+        self.agrees([(5, 70), (1, 45), (19, 40)], call=dict(window=(37, None)), pad_rows=2)
+        with pytest.raises(ValueError, match="makes compute blocks of 8 keys"):
+            self.options = TritonPagedBlocks(pages_per_compute_block=2, k_splits=1)
+            self.agrees([(1, 9)])
+
     def test_bfloat16_within_its_rounding(self):
         # The kernel's dots take bf16 (q scaled in bf16, weights cast to bf16);
         # the oracle runs in float64 on the same bf16-rounded inputs.

@@ -142,6 +142,22 @@ def test_cuda_lowering_holds_the_triton_call_and_no_copy_of_the_pool():
     assert results and not [r for r in results if "1000x" in r or "16000x" in r]
 
 
+@pytest.mark.parametrize("page_size, head_dim, width", [(1, 16, 33), (4, 64, 300), (128, 32, 5)])
+def test_the_claimed_extremes_lower_for_cuda(page_size, head_dim, width):
+    # Smallest and largest page sizes and head dims of the manifest, and a table
+    # whose partitions are not a power of two pages (300 pages: 16 x 24).
+    paged = ab.Registry(only=["flash_triton"]).get_paged(
+        device="gpu", **{**CALL, "page_size": page_size, "head_dim": head_dim})
+    call = dataclasses.replace(paged.call, platform="gpu")
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    pool = sds((500, page_size, 8, head_dim), jnp.bfloat16)
+    batch = ab.PagedBatch(sds((9,), i32), sds((8,), i32), sds((8, width), i32), sds((), i32))
+    cache = jax.eval_shape(lambda k, v: paged.backend.from_canonical(call, k, v), pool, pool)
+    text = _cuda_module(lambda q, cache, batch: paged.backend.attend_paged(call, q, cache, batch),
+                        sds((20, 32, head_dim), jnp.bfloat16), cache, batch)
+    assert text.count(TRITON) == 1
+
+
 def test_paged_call_through_core_lowers_for_cuda_with_the_interpret_switch_on():
     # Selected on cpu in interpret mode; a cuda lowering of the same __call__
     # still gets the compiled Triton kernel (lax.platform_dependent).

@@ -7,6 +7,7 @@ imports)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -55,6 +56,13 @@ __all__ = ["BAD_INDEX", "PS", "PagedCase", "PagedCases", "make_paged_backend", "
 PS = 4
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted_call(paged: Any, q: Any, cache: Any, batch: Any) -> Any:
+    """``paged(q, cache, batch)`` under one jit per attention (keyed by identity), so
+    a case and its zero-filled twin run one compiled program on different data."""
+    return paged(q, cache, batch)
+
+
 class PagedCases:
     """The paged case set against the float64 oracle, for one backend: subclass it
     as ``Test...`` with ``backend`` (and ``options``, its ``backend_options``).
@@ -66,12 +74,19 @@ class PagedCases:
 
     backend: ClassVar[str]
     options: ClassVar[Any] = None
+    #: The head dim of every case (a kernel may need one it can tile).
+    head_dim: ClassVar[int] = 8
+    #: The layout the backend's caches are in.
+    layout: ClassVar[str] = ab.CANONICAL_LAYOUT
+    #: Whether the backend claims float64 (else the case checks it is refused).
+    float64: ClassVar[bool] = True
     # float32 with exact (HIGHEST) matmuls from float32 inputs: far inside what
     # the dense float32 row allows any backend.
     atol: ClassVar[float] = 2e-6
 
     def paged(self, **call: Any) -> Any:
-        args = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=PS, dtype="float32")
+        args = dict(num_q_heads=4, num_kv_heads=2, head_dim=self.head_dim, page_size=PS,
+                    dtype="float32")
         options = None if self.options is None else {self.backend: self.options}
         return ab.registry.get_paged(backend=self.backend, backend_options=options,
                                      **{**args, **call})
@@ -79,7 +94,7 @@ class PagedCases:
     @staticmethod
     def run(paged: Any, case: PagedCase) -> np.ndarray:
         cache = paged.from_canonical(jnp.asarray(case.k_pages), jnp.asarray(case.v_pages))
-        return np.asarray(jax.jit(paged.__call__)(jnp.asarray(case.q), cache, case.batch()))
+        return np.asarray(_jitted_call(paged, jnp.asarray(case.q), cache, case.batch()))
 
     def agrees(self, seqs: Sequence[tuple[int, int]], *, call: dict[str, Any] | None = None,
                **case_args: Any) -> np.ndarray:
@@ -88,8 +103,9 @@ class PagedCases:
         call = call or {}
         hq, hkv = call.get("num_q_heads", 4), call.get("num_kv_heads", 2)
         paged = self.paged(**call)
-        dirty = paged_case(seqs, page_size=PS, hq=hq, hkv=hkv, **case_args)
-        clean = paged_case(seqs, page_size=PS, hq=hq, hkv=hkv, garbage=False, **case_args)
+        d = self.head_dim
+        dirty = paged_case(seqs, page_size=PS, hq=hq, hkv=hkv, d=d, **case_args)
+        clean = paged_case(seqs, page_size=PS, hq=hq, hkv=hkv, d=d, garbage=False, **case_args)
         out = self.run(paged, dirty)
         assert np.isfinite(out).all()
         np.testing.assert_array_equal(out, self.run(paged, clean))
@@ -132,7 +148,8 @@ class PagedCases:
 
     def test_the_same_sequence_at_two_positions_gives_the_same_answer(self) -> None:
         paged = self.paged()
-        case = paged_case([(2, 9), (1, 3), (2, 9)], page_size=PS, order="shared")
+        case = paged_case([(2, 9), (1, 3), (2, 9)], page_size=PS, order="shared",
+                          d=self.head_dim)
         case.q[3:5] = case.q[0:2]
         out = self.run(paged, case)
         np.testing.assert_array_equal(out[:2], out[3:5])
@@ -141,27 +158,32 @@ class PagedCases:
     def test_write_then_attend_and_write_exactness(self) -> None:
         """Prefill by writing every token, then a decode step writing its own key
         first: each token lands where its slot says, padding slots write nothing."""
-        paged = self.paged()
-        case = paged_case([(3, 6), (1, 9)], page_size=PS, garbage=False)
+        paged, d = self.paged(), self.head_dim
+        case = paged_case([(3, 6), (1, 9)], page_size=PS, garbage=False, d=d)
         cache = paged.init_cache(case.k_pages.shape[0])
         pad = np.full(3, -1, np.int32)
         slots = np.concatenate([case.slots, pad])
-        k = np.concatenate([case.k_rows, np.full((3, 2, 8), np.nan, np.float32)])
-        v = np.concatenate([case.v_rows, np.full((3, 2, 8), np.inf, np.float32)])
+        k = np.concatenate([case.k_rows, np.full((3, 2, d), np.nan, np.float32)])
+        v = np.concatenate([case.v_rows, np.full((3, 2, d), np.inf, np.float32)])
         before = [np.asarray(x) for x in paged.to_canonical(cache)]  # donated below
         cache = jax.jit(paged.write, donate_argnums=0)(cache, jnp.asarray(k), jnp.asarray(v),
                                                        jnp.asarray(slots))
         after = paged.to_canonical(cache)
         for pool, want, old in zip(after, (case.k_pages, case.v_pages), before, strict=True):
             np.testing.assert_array_equal(np.asarray(pool), want)  # written exactly, pad never
-            flat, old = np.asarray(pool).reshape(-1, 2, 8), np.asarray(old).reshape(-1, 2, 8)
+            flat, old = np.asarray(pool).reshape(-1, 2, d), np.asarray(old).reshape(-1, 2, d)
             rest = np.setdiff1d(np.arange(flat.shape[0]), case.slots)
             np.testing.assert_array_equal(flat[rest], old[rest])
         out = np.asarray(jax.jit(paged.__call__)(jnp.asarray(case.q), cache, case.batch()))
         np.testing.assert_allclose(out, case.expected(), atol=self.atol, rtol=0)
 
     def test_float64_under_x64_computes_in_float64(self) -> None:
-        case = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1)
+        case = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1, d=self.head_dim)
+        if not self.float64:  # not claimed: refused by name, never served in float32
+            with jax.enable_x64(True), pytest.raises(ab.UnsupportedError,
+                                                     match="dtype float64 not in"):
+                self.paged(dtype="float64")
+            return
         with jax.enable_x64(True):
             paged = self.paged(dtype="float64")
             cache = paged.from_canonical(*(jnp.asarray(x, jnp.float64)
@@ -169,15 +191,16 @@ class PagedCases:
             out = jax.jit(paged.__call__)(jnp.asarray(case.q, jnp.float64), cache, case.batch())
             assert out.dtype == jnp.float64
             out = np.asarray(out)
-        clean = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1, garbage=False)
+        clean = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1, garbage=False,
+                           d=self.head_dim)
         np.testing.assert_allclose(out, clean.expected(), atol=1e-12, rtol=0)
 
     def test_layout_round_trip_is_exact(self) -> None:
         paged = self.paged(dtype="bfloat16")
-        case = paged_case([(2, 7)], page_size=PS)
+        case = paged_case([(2, 7)], page_size=PS, d=self.head_dim)
         k, v = (jnp.asarray(x, jnp.bfloat16) for x in (case.k_pages, case.v_pages))
         cache = paged.from_canonical(k, v)
-        assert cache.layout == ab.CANONICAL_LAYOUT
+        assert cache.layout == self.layout
         back = paged.to_canonical(cache)
         for a, b in zip(back, (k, v), strict=True):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

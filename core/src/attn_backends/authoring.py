@@ -35,7 +35,7 @@ from .contract.call import FEATURES, AttentionCall
 from .contract.capabilities import Capabilities
 from .contract.environment import env_flag
 from .contract.errors import UnsupportedError
-from .contract.paged import canonical_write
+from .contract.paged import PagedCapabilities, canonical_write
 
 __all__ = [
     "UNKNOWN_VERSION",
@@ -194,8 +194,7 @@ def dropout_keep(call: AttentionCall, key: Any) -> Any:
                            q_heads=call.q_heads, q_len=call.q_len)
 
 
-@dataclasses.dataclass(frozen=True)
-class _CpuSwitchedCapabilities(Capabilities):
+class _CpuNote:
     """A manifest whose cpu rejection ends with how to turn interpret mode on.
 
     Subclassed once per switch (``_off_note`` is a class attribute, not a
@@ -204,12 +203,22 @@ class _CpuSwitchedCapabilities(Capabilities):
 
     _off_note: ClassVar[str] = ""
 
-    def unmet(self, call: AttentionCall, platform: str) -> list[str]:
-        reasons = super().unmet(call, platform)
-        if platform == "cpu" and "cpu" not in self.platforms:
+    def unmet(self, call: Any, platform: str) -> list[str]:
+        reasons = super().unmet(call, platform)  # type: ignore[misc]
+        if platform == "cpu" and "cpu" not in self.platforms:  # type: ignore[attr-defined]
             reasons = [f"{r} ({self._off_note})" if r.startswith("platform ") else r
                        for r in reasons]
         return reasons
+
+
+@dataclasses.dataclass(frozen=True)
+class _CpuSwitchedCapabilities(_CpuNote, Capabilities):
+    """A dense manifest with the cpu note of :class:`_CpuNote`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _CpuSwitchedPagedCapabilities(_CpuNote, PagedCapabilities):
+    """A paged manifest with the cpu note of :class:`_CpuNote`."""
 
 
 class SwitchedManifest:
@@ -221,10 +230,11 @@ class SwitchedManifest:
     malformed environment variable raises ValueError there.
     """
 
-    def __init__(self, switch: InterpretSwitch, off: Capabilities, on: Capabilities) -> None:
+    def __init__(self, switch: InterpretSwitch, off: Capabilities | PagedCapabilities,
+                 on: Capabilities | PagedCapabilities) -> None:
         self.switch, self.off, self.on = switch, off, on
 
-    def __get__(self, obj: object, owner: type | None = None) -> Capabilities:
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
         return self.on if self.switch.enabled() else self.off
 
 
@@ -275,19 +285,23 @@ class InterpretSwitch:
         finally:
             self._forced.reset(token)
 
-    def capabilities(self, base: Capabilities) -> SwitchedManifest:
+    def capabilities(self, base: Capabilities | PagedCapabilities) -> SwitchedManifest:
         """The ``capabilities`` class attribute of a backend that serves cpu in interpret mode.
 
         ``base`` is the manifest without cpu (say ``platforms={"tpu"}``); while
         the switch is on the backend claims ``base`` plus cpu, while it is off
         ``base``, rejecting cpu with a reason ending in :attr:`how_to_enable`.
+        A paged manifest (:class:`~attn_backends.PagedCapabilities`) works the
+        same way, for ``paged_capabilities``.
         """
         if "cpu" in base.platforms:
             raise ValueError(
                 f"InterpretSwitch.capabilities: the base manifest lists cpu "
                 f"({sorted(base.platforms)}); the switch is what adds it"
             )
-        noted = type("InterpretCapabilities", (_CpuSwitchedCapabilities,),
+        kind = (_CpuSwitchedPagedCapabilities if isinstance(base, PagedCapabilities)
+                else _CpuSwitchedCapabilities)
+        noted = type("InterpretCapabilities", (kind,),
                      {"_off_note": self.off_note, "__module__": __name__})
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
         off = noted(**fields)

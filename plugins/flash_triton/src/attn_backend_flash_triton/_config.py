@@ -101,3 +101,62 @@ class TritonBlockSizes:
             block_q_dq=self.block_q_dq,
             block_kv_dq=self.block_kv_dq,
         )
+
+
+# The paged kernel's defaults on a GPU (jax.experimental.pallas.ops.gpu.paged_attention,
+# jax 0.10-0.12): 16 query heads per program, 8 pages of 16 (128 keys) per compute
+# block, 16 partitions of the table, 8 warps, 2 stages. Not tuned on hardware here.
+_PAGED_GPU_KEYS = 128
+_PAGED_GPU_SPLITS = 16
+# Interpret mode: 16-key blocks and 2 partitions, so short test sequences cross
+# several compute blocks and both partitions.
+_PAGED_INTERPRET_KEYS = MIN_BLOCK
+_PAGED_INTERPRET_SPLITS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonPagedBlocks:
+    """Blocks of the paged kernel (pass as ``options`` to ``get_paged``).
+
+    ``pages_per_compute_block`` pages are one compute block: its keys
+    (``pages_per_compute_block * page_size``) must be a power of two >= 16,
+    Triton's dot; ``k_splits`` partitions of the page table run as separate
+    programs (fewer when the table is narrower); ``block_h`` query heads of one
+    kv head per program (a multiple of 16: Triton's dot needs 16 rows).
+    """
+
+    pages_per_compute_block: int
+    k_splits: int
+    block_h: int = 16
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("pages_per_compute_block", "k_splits", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.block_h, int) or self.block_h < MIN_BLOCK \
+                or self.block_h % MIN_BLOCK:
+            raise ValueError(f"block_h must be a multiple of {MIN_BLOCK} (Triton's dot needs "
+                             f"{MIN_BLOCK} rows), got {self.block_h!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps!r}")
+
+    def block_keys(self, page_size: int) -> int:
+        """Keys per compute block for ``page_size``; ValueError unless a power of two >= 16."""
+        keys = self.pages_per_compute_block * page_size
+        if keys < MIN_BLOCK or keys & (keys - 1):
+            raise ValueError(
+                f"pages_per_compute_block={self.pages_per_compute_block} with page_size="
+                f"{page_size} makes compute blocks of {keys} keys; expected a power of two "
+                f">= {MIN_BLOCK} (Triton's dot and block shapes)")
+        return keys
+
+    @classmethod
+    def default_for(cls, page_size: int, interpret: bool) -> TritonPagedBlocks:
+        """The kernel's defaults (128-key blocks, 16 partitions), or the interpret row
+        (16-key blocks, 2 partitions); ``page_size`` a power of two."""
+        keys = _PAGED_INTERPRET_KEYS if interpret else _PAGED_GPU_KEYS
+        splits = _PAGED_INTERPRET_SPLITS if interpret else _PAGED_GPU_SPLITS
+        return cls(pages_per_compute_block=max(1, keys // page_size), k_splits=splits)

@@ -8,8 +8,18 @@ from __future__ import annotations
 from typing import Any
 
 import attn_backends
-from attn_backends import AttentionCall, Backend, HeadDims, Operands
-from attn_backends.authoring import distribution_version, manifest, refuse
+from attn_backends import (
+    AttentionCall,
+    Backend,
+    HeadDims,
+    KVCache,
+    Operands,
+    PagedBackend,
+    PagedBatch,
+    PagedCall,
+    PagedCapabilities,
+)
+from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
 
 from ._interpret import SWITCH, interpret_enabled
 
@@ -30,12 +40,31 @@ MANIFEST = manifest(
     jax_versions=">=0.10,<0.13",
 )
 
+#: The paged manifest without the cpu that interpret mode adds (see _paged.py):
+#: Triton's block shapes are powers of two and its dot needs 16 per side, and
+#: the kernel does not pad D; pages up to 128 positions (a compute block holds
+#: at least one page). Mixed prefill and decode batches, GQA, softcap, window.
+PAGED_MANIFEST = PagedCapabilities(
+    platforms=frozenset({"gpu"}),
+    dtypes=frozenset({"float32", "bfloat16", "float16"}),
+    head_dims=HeadDims(allowed=frozenset({16, 32, 64, 128})),
+    page_sizes=frozenset(1 << n for n in range(8)),
+    gqa=True, softcap=True, window=True,
+    jax_versions=">=0.10,<0.13",
+)
 
-class FlashTritonBackend(Backend):
+
+class FlashTritonBackend(Backend, PagedBackend):
     """``mha`` from ``jax.experimental.pallas.ops.gpu.attention`` (Pallas Triton), BTNH.
 
     ``options``: a :class:`TritonBlockSizes`, or None for
     ``TritonBlockSizes.default_for(call)``.
+
+    Paged calls too (:meth:`attend_paged`): ``paged_attention_kernel`` of
+    ``jax.experimental.pallas.ops.gpu.paged_attention`` over a ``heads_first``
+    cache (K and V each ``[Hkv, num_pages, page_size, D]``), every query row its
+    own kernel sequence; their ``options``: a :class:`TritonPagedBlocks`, or None
+    for ``TritonPagedBlocks.default_for``.
     """
 
     name = "flash_triton"
@@ -46,6 +75,8 @@ class FlashTritonBackend(Backend):
     #: The kernel's pallas_call name: in the Triton custom call's config on gpu,
     #: in the interpreted program's op names on cpu; absent from any fallback.
     hlo_marker = "mha_forward"
+    #: PAGED_MANIFEST, plus cpu while interpret mode is on.
+    paged_capabilities = SWITCH.capabilities(PAGED_MANIFEST)  # type: ignore[assignment]
 
     def check(self, call: AttentionCall) -> list[str]:
         reasons = []
@@ -84,6 +115,44 @@ class FlashTritonBackend(Backend):
         if TritonBlockSizes.default_for(call, interpret_enabled()) == smallest:
             return None
         return smallest
+
+
+    def cache_layout(self, call: PagedCall) -> str:
+        """``heads_first``: K and V each ``[Hkv, num_pages, page_size, D]``, the kernel's."""
+        from ._paged import LAYOUT
+
+        return LAYOUT
+
+    def from_canonical(self, call: PagedCall, k_pages: Any, v_pages: Any) -> KVCache:
+        from ._paged import from_canonical
+
+        return from_canonical(call, k_pages, v_pages)
+
+    def to_canonical(self, call: PagedCall, cache: KVCache) -> tuple[Any, Any]:
+        from ._paged import to_canonical
+
+        return to_canonical(cache)
+
+    def write(self, call: PagedCall, cache: KVCache, k: Any, v: Any, slots: Any) -> KVCache:
+        """k, v ``[T, Hkv, D]`` scattered straight into the heads-first pool at ``slots``."""
+        from ._paged import write
+
+        return write(call, cache, k, v, slots)
+
+    def attend_paged(self, call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
+                     options: Any = None) -> Any:
+        """Paged attention through the Pallas GPU paged kernel; see
+        :class:`attn_backends.PagedBackend`. Default blocks follow the platform the
+        program is made for (``call.platform``: cpu runs the interpret row), or the
+        interpret switch when the call does not say."""
+        from ._config import TritonPagedBlocks
+        from ._paged import paged_attention
+
+        interpret = interpret_enabled()
+        small = call.platform == "cpu" if call.platform else interpret
+        blocks = resolve_options(options, TritonPagedBlocks,
+                                 lambda: TritonPagedBlocks.default_for(call.page_size, small))
+        return paged_attention(call, q, cache, batch, blocks, interpret)
 
 
 @attn_backends.hookimpl

@@ -87,5 +87,10 @@ def test_engine_decodes_what_each_request_decodes_alone(backend, model, requests
     # Together they need more pages than the pool has: served only by reusing pages.
     assert sum(serve.pages_needed(r, PAGE_SIZE) for r in requests) > NUM_PAGES
     assert sorted(engine.free) == list(range(NUM_PAGES)), "pages not all returned"
-    # Rows are padded to a few static sizes: one compiled program per size.
-    assert engine._step._cache_size() == len({rec.rows for rec in engine.records}) <= 2
+    # Rows are padded to a few static sizes: one compiled program per size. A
+    # Pallas kernel emulated on cpu loads JAX's interpreter at its first run,
+    # which registers a JAX config option; the grown tracing context makes the
+    # next call retrace once (measured: 2 programs for one signature).
+    sizes = len({rec.rows for rec in engine.records})
+    emulated = backend in ("flash_pallas", "flash_triton")
+    assert sizes <= 2 and engine._step._cache_size() == sizes + emulated

@@ -123,12 +123,21 @@ class PagedCases:
 
     backend: ClassVar[str]
     options: ClassVar[Any] = None
+    # The shape every case runs at: a backend whose kernel takes only some page
+    # sizes or head dims sets them (the lengths and windows below follow it).
+    page_size: ClassVar[int] = PS
+    head_dim: ClassVar[int] = 8
+    #: The layout the backend's caches are in.
+    layout: ClassVar[str] = ab.CANONICAL_LAYOUT
+    #: Whether it claims float64 (under x64); if not, float64 must be refused.
+    float64: ClassVar[bool] = True
     # float32 with exact (HIGHEST) matmuls from float32 inputs: far inside what
     # the dense float32 row allows any backend.
     atol: ClassVar[float] = 2e-6
 
     def paged(self, **call: Any) -> Any:
-        args = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=PS, dtype="float32")
+        args = dict(num_q_heads=4, num_kv_heads=2, head_dim=self.head_dim,
+                    page_size=self.page_size, dtype="float32")
         options = None if self.options is None else {self.backend: self.options}
         return ab.registry.get_paged(backend=self.backend, backend_options=options,
                                      **{**args, **call})
@@ -145,8 +154,9 @@ class PagedCases:
         call = call or {}
         hq, hkv = call.get("num_q_heads", 4), call.get("num_kv_heads", 2)
         paged = self.paged(**call)
-        dirty = paged_case(seqs, page_size=PS, hq=hq, hkv=hkv, **case_args)
-        clean = paged_case(seqs, page_size=PS, hq=hq, hkv=hkv, garbage=False, **case_args)
+        shape = dict(page_size=self.page_size, hq=hq, hkv=hkv, d=self.head_dim)
+        dirty = paged_case(seqs, **shape, **case_args)
+        clean = paged_case(seqs, **shape, garbage=False, **case_args)
         out = self.run(paged, dirty)
         assert np.isfinite(out).all()
         np.testing.assert_array_equal(out, self.run(paged, clean))
@@ -156,9 +166,11 @@ class PagedCases:
         assert not out[int(dirty.cu_q_lens[dirty.num_seqs]):].any()
         return out
 
-    @pytest.mark.parametrize("kv_len", [1, PS - 1, PS, PS + 1, 3 * PS + 2, 9 * PS + 3])
+    # kv_len = pages * page_size + extra: 1, ps - 1, ps, ps + 1, 3 ps + 2, 9 ps + 3.
+    @pytest.mark.parametrize("pages, extra", [(0, 1), (1, -1), (1, 0), (1, 1), (3, 2), (9, 3)])
     @pytest.mark.parametrize("kind", ["prefill", "chunk", "decode"])
-    def test_lengths_around_a_page(self, kv_len: int, kind: str) -> None:
+    def test_lengths_around_a_page(self, pages: int, extra: int, kind: str) -> None:
+        kv_len = pages * self.page_size + extra
         q_len = {"prefill": kv_len, "chunk": max(1, kv_len // 2), "decode": 1}[kind]
         self.agrees([(q_len, kv_len)], pad_rows=1)
 
@@ -180,8 +192,10 @@ class PagedCases:
         hq, hkv = heads
         self.agrees([(3, 7), (1, 10)], call=dict(num_q_heads=hq, num_kv_heads=hkv))
 
-    @pytest.mark.parametrize("window", [0, 1, PS, 2 * PS + 1])
-    def test_window(self, window: int) -> None:
+    # window = pages * page_size + extra: 0, 1, ps, 2 ps + 1.
+    @pytest.mark.parametrize("pages, extra", [(0, 0), (0, 1), (1, 0), (2, 1)])
+    def test_window(self, pages: int, extra: int) -> None:
+        window = pages * self.page_size + extra
         self.agrees([(5, 13), (1, 12), (9, 9), (1, 30)], call=dict(window=(window, None)))
 
     def test_softcap_and_scale(self) -> None:
@@ -189,7 +203,8 @@ class PagedCases:
 
     def test_the_same_sequence_at_two_positions_gives_the_same_answer(self) -> None:
         paged = self.paged()
-        case = paged_case([(2, 9), (1, 3), (2, 9)], page_size=PS, order="shared")
+        case = paged_case([(2, 9), (1, 3), (2, 9)], page_size=self.page_size, d=self.head_dim,
+                          order="shared")
         case.q[3:5] = case.q[0:2]
         out = self.run(paged, case)
         np.testing.assert_array_equal(out[:2], out[3:5])
@@ -199,26 +214,33 @@ class PagedCases:
         """Prefill by writing every token, then a decode step writing its own key
         first: each token lands where its slot says, padding slots write nothing."""
         paged = self.paged()
-        case = paged_case([(3, 6), (1, 9)], page_size=PS, garbage=False)
+        d = self.head_dim
+        case = paged_case([(3, 6), (1, 9)], page_size=self.page_size, d=d, garbage=False)
         cache = paged.init_cache(case.k_pages.shape[0])
         pad = np.full(3, -1, np.int32)
         slots = np.concatenate([case.slots, pad])
-        k = np.concatenate([case.k_rows, np.full((3, 2, 8), np.nan, np.float32)])
-        v = np.concatenate([case.v_rows, np.full((3, 2, 8), np.inf, np.float32)])
+        k = np.concatenate([case.k_rows, np.full((3, 2, d), np.nan, np.float32)])
+        v = np.concatenate([case.v_rows, np.full((3, 2, d), np.inf, np.float32)])
         before = [np.asarray(x) for x in paged.to_canonical(cache)]  # donated below
         cache = jax.jit(paged.write, donate_argnums=0)(cache, jnp.asarray(k), jnp.asarray(v),
                                                        jnp.asarray(slots))
         after = paged.to_canonical(cache)
         for pool, want, old in zip(after, (case.k_pages, case.v_pages), before, strict=True):
             np.testing.assert_array_equal(np.asarray(pool), want)  # written exactly, pad never
-            flat, old = np.asarray(pool).reshape(-1, 2, 8), np.asarray(old).reshape(-1, 2, 8)
+            flat, old = np.asarray(pool).reshape(-1, 2, d), np.asarray(old).reshape(-1, 2, d)
             rest = np.setdiff1d(np.arange(flat.shape[0]), case.slots)
             np.testing.assert_array_equal(flat[rest], old[rest])
         out = np.asarray(jax.jit(paged.__call__)(jnp.asarray(case.q), cache, case.batch()))
         np.testing.assert_allclose(out, case.expected(), atol=self.atol, rtol=0)
 
     def test_float64_under_x64_computes_in_float64(self) -> None:
-        case = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1)
+        shape = dict(page_size=self.page_size, d=self.head_dim, pad_rows=1)
+        case = paged_case([(3, 7), (1, 10)], **shape)
+        if not self.float64:
+            refused = pytest.raises(ab.UnsupportedError, match="dtype float64 not in")
+            with jax.enable_x64(True), refused:
+                self.paged(dtype="float64")
+            return
         with jax.enable_x64(True):
             paged = self.paged(dtype="float64")
             cache = paged.from_canonical(*(jnp.asarray(x, jnp.float64)
@@ -226,15 +248,15 @@ class PagedCases:
             out = jax.jit(paged.__call__)(jnp.asarray(case.q, jnp.float64), cache, case.batch())
             assert out.dtype == jnp.float64
             out = np.asarray(out)
-        clean = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1, garbage=False)
+        clean = paged_case([(3, 7), (1, 10)], **shape, garbage=False)
         np.testing.assert_allclose(out, clean.expected(), atol=1e-12, rtol=0)
 
     def test_layout_round_trip_is_exact(self) -> None:
         paged = self.paged(dtype="bfloat16")
-        case = paged_case([(2, 7)], page_size=PS)
+        case = paged_case([(2, 7)], page_size=self.page_size, d=self.head_dim)
         k, v = (jnp.asarray(x, jnp.bfloat16) for x in (case.k_pages, case.v_pages))
         cache = paged.from_canonical(k, v)
-        assert cache.layout == ab.CANONICAL_LAYOUT
+        assert cache.layout == paged.layout == self.layout
         back = paged.to_canonical(cache)
         for a, b in zip(back, (k, v), strict=True):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -22,14 +22,13 @@ get one here; the export is for ``tpu`` only and never runs.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _paged_support import BAD_INDEX, PagedCases, paged_case
+from _paged_support import BAD_INDEX, POOL, TPU, PagedCases, cache_sized_ops, paged_case
 from attn_backend_flash_pallas import FlashPallasBackend, RaggedBlockSizes, _paged
 from attn_backend_flash_pallas._plugin import PAGED_MANIFEST
 from attn_backends import KVCache
@@ -166,33 +165,17 @@ def test_what_the_kernel_cannot_take_goes_to_xla_native_saying_why(tpu_registry,
     assert any(reason in r for r in verdict.reasons), verdict.reasons
 
 
-def test_interpret_mode_does_not_claim_cpu_for_paged_calls(monkeypatch):
+def test_interpret_mode_does_not_claim_cpu_for_ragged_calls(monkeypatch):
+    # Only the decode path (test_flash_pallas_paged_decode.py) runs interpreted.
     monkeypatch.setenv("ATTN_BACKENDS_PALLAS_INTERPRET", "1")
     exp = ab.registry.explain_paged(device="cpu", num_q_heads=8, num_kv_heads=2, head_dim=128,
-                                    page_size=16, dtype="float32")
+                                    page_size=16, dtype="bfloat16")
     (verdict,) = [v for v in exp.verdicts if v.backend == "flash_pallas"]
-    assert verdict.reasons == ("platform 'cpu' not in ['tpu']",)
+    assert verdict.reasons[0].startswith("the ragged kernel (layout 'kv_combined') serving "
+                                         "this call does not run in Pallas' interpreters")
 
 
 # --- the TPU export ---------------------------------------------------------------
-
-#: A pool size no other array of the exports has.
-POOL = 37
-TPU = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-    device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
-
-
-def cache_sized_ops(module: str, shape: tuple[int, ...], dtype: str) -> list[str]:
-    """Every op of the StableHLO ``module`` with an operand or result of ``shape``
-    and ``dtype`` other than the kernel's ``tpu_custom_call``, function calls,
-    signatures and returns (which move nothing)."""
-    ty = "tensor<" + "x".join(map(str, shape)) + f"x{dtype}>"
-    allowed = re.compile(r"^\s*(func\.func|func\.return|return|stablehlo\.return|"
-                         r"(%\S+ = )?(func\.)?call @|"
-                         r"(%\S+ = )?stablehlo\.custom_call @tpu_custom_call)")
-    return [line.strip()[:160] for line in module.splitlines()
-            if ty in line and not allowed.match(line)]
-
 
 def _export_step(monkeypatch, rows: int, seqs: int, dtype: str, around=None) -> str:
     """The StableHLO of ``jit(paged.__call__)`` exported for TPU (the real kernel)."""

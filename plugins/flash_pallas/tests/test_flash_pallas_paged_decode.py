@@ -55,19 +55,42 @@ class TestFlashPallasPagedDecode(PagedCases):
     def _interpret(self, interpreted):
         pass
 
-    @pytest.mark.parametrize("bad", [np.inf, -np.inf, 3e38])
-    def test_inf_and_huge_garbage_never_matter(self, bad):
-        # NaN is the case set's garbage; Inf and a key whose logit overflows
-        # float32 defeat an additive mask as NaN does.
-        case = self.case([(1, 19), (1, 40), (0, 3)], pad_rows=2)
-        clean = self.case([(1, 19), (1, 40), (0, 3)], pad_rows=2, garbage=False)
-        for name in ("q", "k_pages", "v_pages"):
+    @pytest.mark.parametrize("pool, bad", [("k_pages", np.inf), ("k_pages", 3e38),
+                                           ("v_pages", np.inf), ("v_pages", np.nan)])
+    def test_inf_and_huge_garbage_in_k_or_v_alone_never_matter(self, pool, bad):
+        # The case set's NaN garbage sits in K and V alike; here one pool's holds
+        # Inf, NaN or a key whose logit overflows float32 (each defeats an
+        # additive mask), the other's zeros.
+        seqs = [(1, 19), (1, 40), (0, 3)]
+        case = self.case(seqs, pad_rows=2)
+        clean = self.case(seqs, pad_rows=2, garbage=False)
+        for name in ("k_pages", "v_pages"):
             x = getattr(case, name)
-            x[np.isnan(x)] = bad
+            x[np.isnan(x)] = bad if name == pool else 0.0
         paged = self.paged()
         out = self.run(paged, case)
         np.testing.assert_array_equal(out, self.run(paged, clean))
         np.testing.assert_allclose(out, clean.expected(), atol=self.atol, rtol=self.rtol)
+
+    def test_a_finite_key_whose_logit_nears_float32s_range_never_matters(self):
+        # 10 * scale * 3e38 = 2.7e38 is finite, and still above the real logits
+        # after the kernel adds its mask value (-2.4e38): the tail check's bound.
+        seqs = [(1, 19), (1, 40)]
+        case, clean = (self.case(seqs, garbage=g) for g in (True, False))
+        for c in (case, clean):
+            c.q[..., 0] = 10.0
+        for x in (case.k_pages, case.v_pages):
+            x[np.isnan(x)] = 0.0
+        case.k_pages[..., 0][np.all(case.k_pages == 0, axis=-1)] = 3e38
+        paged = self.paged()
+        out = self.run(paged, case)
+        np.testing.assert_array_equal(out, self.run(paged, clean))
+
+    def test_table_entries_past_a_full_last_page_name_that_page(self):
+        # No partial page, so no copy: the last block's entries past the last
+        # page are garbage (clipped, they would name the pool's last page, a
+        # NaN one here: "shared" leaves the high pages unreferenced).
+        self.agrees([(1, 32), (1, 16)], order="shared", spare_pages=2)
 
     def test_finite_garbage_is_read_in_place_and_adds_nothing(self):
         # Stale keys past kv_lens (finite, as a freed page's are) take the branch

@@ -61,8 +61,9 @@ Neither of JAX's Pallas interpreters runs this kernel on CPU (jax 0.10.2 and
 0.12.0.1): TPU interpret mode cannot read through the kernel's reshaped VMEM ref
 (``'ReshapeTransform' object has no attribute 'indices'``) and the HLO
 interpreter fails on its masked stores into an indexed scratch ref
-(``'TypedInt' object has no attribute 'shape'``). So the paged manifest lists
-only ``tpu``, also with the interpret switch on.
+(``'TypedInt' object has no attribute 'shape'``). So with the interpret switch
+on, a cpu call this kernel would serve is refused with those errors; only the
+decode path (``_paged_decode.py``) serves cpu.
 """
 
 from __future__ import annotations
@@ -78,11 +79,12 @@ LAYOUT = "kv_combined"
 
 @dataclasses.dataclass(frozen=True)
 class RaggedBlockSizes:
-    """Blocks of the ragged paged kernel (pass as the backend's paged ``options``).
+    """Blocks of the paged kernels (pass as the backend's paged ``options``).
 
     ``kv_pages_per_block``: pages of keys per step of a sequence (clipped to the
-    table's width); ``queries_per_block``: query rows per grid step (clipped to
-    q's rows). The defaults, 32 and 32, are the kernel's own untuned defaults for
+    table's width; the decode kernel's ``pages_per_compute_block``);
+    ``queries_per_block``: query rows per grid step of the ragged kernel (clipped
+    to q's rows). The defaults, 32 and 32, are the kernel's own untuned defaults for
     TPU v4, its smallest; not tuned on hardware in this project. Without options
     on a TPU host the kernel's tuned table for that chip is used instead.
     """

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -56,6 +57,7 @@ __all__ = ["BAD_INDEX", "PS", "PagedCase", "PagedCases", "make_paged_backend", "
 PS = 4
 
 
+
 @functools.partial(jax.jit, static_argnums=0)
 def _jitted_call(paged: Any, q: Any, cache: Any, batch: Any) -> Any:
     """``paged(q, cache, batch)`` under one jit per attention (keyed by identity), so
@@ -70,31 +72,69 @@ class PagedCases:
     Every length class around a page, page orders, garbage, batch shapes, GQA,
     softcap, window, write and the round trip. The batch is traced (one jit per
     case), so what is checked is the vectorised program a serving loop runs.
+
+    A backend (or one of its kernels) serving only decode steps sets
+    ``max_q_len`` (calls are made with it; each case's sequences get at most that
+    many rows, and the length cases other than decode are not generated) and
+    ``dtype``; one serving no window sets ``test_window = None`` (not collected)
+    and shows elsewhere where windowed calls go.
     """
 
     backend: ClassVar[str]
     options: ClassVar[Any] = None
-    #: The head dim of every case (a kernel may need one it can tile).
+    # The shape every case runs at: a backend whose kernel takes only some page
+    # sizes or head dims sets them (the lengths and windows below follow it).
+    page_size: ClassVar[int] = PS
     head_dim: ClassVar[int] = 8
     #: The layout the backend's caches are in.
     layout: ClassVar[str] = ab.CANONICAL_LAYOUT
-    #: Whether the backend claims float64 (else the case checks it is refused).
+    #: Whether it claims float64 (under x64); if not, float64 must be refused.
     float64: ClassVar[bool] = True
     # float32 with exact (HIGHEST) matmuls from float32 inputs: far inside what
     # the dense float32 row allows any backend.
     atol: ClassVar[float] = 2e-6
+    rtol: ClassVar[float] = 0.0
+    #: The calls' dtype; the cases' q, K and V are rounded to it, so the float64
+    #: oracle sees what the backend sees.
+    dtype: ClassVar[str] = "float32"
+    #: The calls' ``max_q_len`` (None: any); see the class docstring.
+    max_q_len: ClassVar[int | None] = None
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """The length cases' kinds: only decode steps for a decode-only class."""
+        if "kind" in metafunc.fixturenames:
+            kinds = ["prefill", "chunk", "decode"] if self.max_q_len is None else ["decode"]
+            metafunc.parametrize("kind", kinds)
+
+    def seqs(self, seqs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``(q_len, kv_len)`` pairs with at most ``max_q_len`` rows each."""
+        top = self.max_q_len
+        return [(q if top is None else min(q, top), kv) for q, kv in seqs]
+
+    def case(self, seqs: Sequence[tuple[int, int]], **case_args: Any) -> PagedCase:
+        """:func:`paged_case` of ``self.seqs(seqs)`` with q, K and V rounded to ``dtype``."""
+        case = paged_case(self.seqs(seqs), **{"page_size": self.page_size, "d": self.head_dim,
+                                              **case_args})
+        for name in ("q", "k_pages", "v_pages", "k_rows", "v_rows"):
+            x = getattr(case, name)
+            setattr(case, name, np.array(jnp.asarray(x, self.dtype), np.float32))
+        return case
 
     def paged(self, **call: Any) -> Any:
-        args = dict(num_q_heads=4, num_kv_heads=2, head_dim=self.head_dim, page_size=PS,
-                    dtype="float32")
+        args = dict(num_q_heads=4, num_kv_heads=2, head_dim=self.head_dim,
+                    page_size=self.page_size, dtype=self.dtype, max_q_len=self.max_q_len)
         options = None if self.options is None else {self.backend: self.options}
         return ab.registry.get_paged(backend=self.backend, backend_options=options,
                                      **{**args, **call})
 
     @staticmethod
     def run(paged: Any, case: PagedCase) -> np.ndarray:
-        cache = paged.from_canonical(jnp.asarray(case.k_pages), jnp.asarray(case.v_pages))
-        return np.asarray(_jitted_call(paged, jnp.asarray(case.q), cache, case.batch()))
+        """The backend's output in float32 (float64 for a float64 call)."""
+        dtype = paged.call.dtype
+        cache = paged.from_canonical(jnp.asarray(case.k_pages, dtype),
+                                     jnp.asarray(case.v_pages, dtype))
+        out = _jitted_call(paged, jnp.asarray(case.q, dtype), cache, case.batch())
+        return np.asarray(out, np.float64 if out.dtype == jnp.float64 else np.float32)
 
     def agrees(self, seqs: Sequence[tuple[int, int]], *, call: dict[str, Any] | None = None,
                **case_args: Any) -> np.ndarray:
@@ -103,21 +143,22 @@ class PagedCases:
         call = call or {}
         hq, hkv = call.get("num_q_heads", 4), call.get("num_kv_heads", 2)
         paged = self.paged(**call)
-        d = self.head_dim
-        dirty = paged_case(seqs, page_size=PS, hq=hq, hkv=hkv, d=d, **case_args)
-        clean = paged_case(seqs, page_size=PS, hq=hq, hkv=hkv, d=d, garbage=False, **case_args)
+        dirty = self.case(seqs, hq=hq, hkv=hkv, **case_args)
+        clean = self.case(seqs, hq=hq, hkv=hkv, garbage=False, **case_args)
         out = self.run(paged, dirty)
         assert np.isfinite(out).all()
         np.testing.assert_array_equal(out, self.run(paged, clean))
         expected = clean.expected(scale=paged.call.scale, softcap=paged.call.softcap,
                                   window=paged.call.window)
-        np.testing.assert_allclose(out, expected, atol=self.atol, rtol=0)
+        np.testing.assert_allclose(out, expected, atol=self.atol, rtol=self.rtol)
         assert not out[int(dirty.cu_q_lens[dirty.num_seqs]):].any()
         return out
 
-    @pytest.mark.parametrize("kv_len", [1, PS - 1, PS, PS + 1, 3 * PS + 2, 9 * PS + 3])
-    @pytest.mark.parametrize("kind", ["prefill", "chunk", "decode"])
-    def test_lengths_around_a_page(self, kv_len: int, kind: str) -> None:
+    # kv_len = pages * page_size + extra: 1, ps - 1, ps, ps + 1, 3 ps + 2, 9 ps + 3.
+    # kind (prefill, chunk, decode): pytest_generate_tests.
+    @pytest.mark.parametrize("pages, extra", [(0, 1), (1, -1), (1, 0), (1, 1), (3, 2), (9, 3)])
+    def test_lengths_around_a_page(self, pages: int, extra: int, kind: str) -> None:
+        kv_len = pages * self.page_size + extra
         q_len = {"prefill": kv_len, "chunk": max(1, kv_len // 2), "decode": 1}[kind]
         self.agrees([(q_len, kv_len)], pad_rows=1)
 
@@ -139,8 +180,10 @@ class PagedCases:
         hq, hkv = heads
         self.agrees([(3, 7), (1, 10)], call=dict(num_q_heads=hq, num_kv_heads=hkv))
 
-    @pytest.mark.parametrize("window", [0, 1, PS, 2 * PS + 1])
-    def test_window(self, window: int) -> None:
+    # window = pages * page_size + extra: 0, 1, ps, 2 ps + 1.
+    @pytest.mark.parametrize("pages, extra", [(0, 0), (0, 1), (1, 0), (2, 1)])
+    def test_window(self, pages: int, extra: int) -> None:
+        window = pages * self.page_size + extra
         self.agrees([(5, 13), (1, 12), (9, 9), (1, 30)], call=dict(window=(window, None)))
 
     def test_softcap_and_scale(self) -> None:
@@ -148,40 +191,45 @@ class PagedCases:
 
     def test_the_same_sequence_at_two_positions_gives_the_same_answer(self) -> None:
         paged = self.paged()
-        case = paged_case([(2, 9), (1, 3), (2, 9)], page_size=PS, order="shared",
-                          d=self.head_dim)
-        case.q[3:5] = case.q[0:2]
+        case = self.case([(2, 9), (1, 3), (2, 9)], order="shared")
+        cu = case.cu_q_lens
+        first, again = slice(cu[0], cu[1]), slice(cu[2], cu[3])
+        case.q[again] = case.q[first]
         out = self.run(paged, case)
-        np.testing.assert_array_equal(out[:2], out[3:5])
-        np.testing.assert_allclose(out, case.expected(), atol=self.atol, rtol=0)
+        np.testing.assert_array_equal(out[first], out[again])
+        np.testing.assert_allclose(out, case.expected(), atol=self.atol, rtol=self.rtol)
 
     def test_write_then_attend_and_write_exactness(self) -> None:
         """Prefill by writing every token, then a decode step writing its own key
         first: each token lands where its slot says, padding slots write nothing."""
-        paged, d = self.paged(), self.head_dim
-        case = paged_case([(3, 6), (1, 9)], page_size=PS, garbage=False, d=d)
+        paged = self.paged()
+        d = self.head_dim
+        case = self.case([(3, 6), (1, 9)], garbage=False)
         cache = paged.init_cache(case.k_pages.shape[0])
         pad = np.full(3, -1, np.int32)
         slots = np.concatenate([case.slots, pad])
         k = np.concatenate([case.k_rows, np.full((3, 2, d), np.nan, np.float32)])
         v = np.concatenate([case.v_rows, np.full((3, 2, d), np.inf, np.float32)])
-        before = [np.asarray(x) for x in paged.to_canonical(cache)]  # donated below
-        cache = jax.jit(paged.write, donate_argnums=0)(cache, jnp.asarray(k), jnp.asarray(v),
-                                                       jnp.asarray(slots))
+        before = [np.asarray(x, np.float32) for x in paged.to_canonical(cache)]  # donated below
+        cache = jax.jit(paged.write, donate_argnums=0)(
+            cache, jnp.asarray(k, self.dtype), jnp.asarray(v, self.dtype), jnp.asarray(slots))
         after = paged.to_canonical(cache)
         for pool, want, old in zip(after, (case.k_pages, case.v_pages), before, strict=True):
-            np.testing.assert_array_equal(np.asarray(pool), want)  # written exactly, pad never
-            flat, old = np.asarray(pool).reshape(-1, 2, d), np.asarray(old).reshape(-1, 2, d)
+            pool = np.asarray(pool, np.float32)
+            np.testing.assert_array_equal(pool, want)  # written exactly, pad never
+            flat, old = pool.reshape(-1, 2, d), old.reshape(-1, 2, d)
             rest = np.setdiff1d(np.arange(flat.shape[0]), case.slots)
             np.testing.assert_array_equal(flat[rest], old[rest])
-        out = np.asarray(jax.jit(paged.__call__)(jnp.asarray(case.q), cache, case.batch()))
-        np.testing.assert_allclose(out, case.expected(), atol=self.atol, rtol=0)
+        out = jax.jit(paged.__call__)(jnp.asarray(case.q, self.dtype), cache, case.batch())
+        np.testing.assert_allclose(np.asarray(out, np.float32), case.expected(), atol=self.atol,
+                                   rtol=self.rtol)
 
     def test_float64_under_x64_computes_in_float64(self) -> None:
-        case = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1, d=self.head_dim)
-        if not self.float64:  # not claimed: refused by name, never served in float32
-            with jax.enable_x64(True), pytest.raises(ab.UnsupportedError,
-                                                     match="dtype float64 not in"):
+        shape = dict(page_size=self.page_size, d=self.head_dim, pad_rows=1)
+        case = paged_case(self.seqs([(3, 7), (1, 10)]), **shape)
+        if not self.float64:
+            refused = pytest.raises(ab.UnsupportedError, match="dtype float64 not in")
+            with jax.enable_x64(True), refused:
                 self.paged(dtype="float64")
             return
         with jax.enable_x64(True):
@@ -191,19 +239,38 @@ class PagedCases:
             out = jax.jit(paged.__call__)(jnp.asarray(case.q, jnp.float64), cache, case.batch())
             assert out.dtype == jnp.float64
             out = np.asarray(out)
-        clean = paged_case([(3, 7), (1, 10)], page_size=PS, pad_rows=1, garbage=False,
-                           d=self.head_dim)
+        clean = paged_case(self.seqs([(3, 7), (1, 10)]), **shape, garbage=False)
         np.testing.assert_allclose(out, clean.expected(), atol=1e-12, rtol=0)
 
     def test_layout_round_trip_is_exact(self) -> None:
         paged = self.paged(dtype="bfloat16")
-        case = paged_case([(2, 7)], page_size=PS, d=self.head_dim)
+        case = self.case([(2, 7)])
         k, v = (jnp.asarray(x, jnp.bfloat16) for x in (case.k_pages, case.v_pages))
         cache = paged.from_canonical(k, v)
-        assert cache.layout == self.layout
+        assert cache.layout == paged.layout == self.layout
         back = paged.to_canonical(cache)
         for a, b in zip(back, (k, v), strict=True):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# --- TPU exports: what a paged step's StableHLO does with the cache -------------
+
+#: A pool size no other array of the exports has.
+POOL = 37
+TPU = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+    device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
+
+
+def cache_sized_ops(module: str, shape: tuple[int, ...], dtype: str) -> list[str]:
+    """Every op of the StableHLO ``module`` with an operand or result of ``shape``
+    and ``dtype`` other than the kernel's ``tpu_custom_call``, function calls,
+    signatures and returns (which move nothing)."""
+    ty = "tensor<" + "x".join(map(str, shape)) + f"x{dtype}>"
+    allowed = re.compile(r"^\s*(func\.func|func\.return|return|stablehlo\.return|"
+                         r"(%\S+ = )?(func\.)?call @|"
+                         r"(%\S+ = )?stablehlo\.custom_call @tpu_custom_call)")
+    return [line.strip()[:160] for line in module.splitlines()
+            if ty in line and not allowed.match(line)]
 
 
 def _oracle_attend(call: ab.PagedCall, q: Any, k_pages: Any, v_pages: Any,

@@ -5,12 +5,29 @@ Importing this module imports no kernel: ``attend`` imports them on first use.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import attn_backends
-from attn_backends import AttentionCall, Backend, HeadDims, Operands
-from attn_backends.authoring import distribution_version, manifest
+from attn_backends import (
+    AttentionCall,
+    Backend,
+    HeadDims,
+    KVCache,
+    Operands,
+    PagedBackend,
+    PagedBatch,
+    PagedCall,
+    PagedCapabilities,
+)
+from attn_backends.authoring import (
+    SwitchedManifest,
+    distribution_version,
+    manifest,
+    resolve_options,
+)
 
+from . import _paged, _paged_decode
 from ._interpret import SWITCH
 
 #: The manifest without the cpu that interpret mode adds. Exactly what
@@ -28,11 +45,63 @@ MANIFEST = manifest(
 )
 
 
-class FlashPallasBackend(Backend):
+#: The paged manifest on a TPU: what JAX's ragged paged attention kernel serves
+#: (``_paged.py`` says why each bound); decode-only bfloat16 calls go to its
+#: paged_attention kernel instead (``_paged_decode.py``), within the same bounds.
+PAGED_MANIFEST = PagedCapabilities(
+    platforms={"tpu"},
+    dtypes=frozenset({"float32", "bfloat16"}),
+    head_dims=HeadDims(allowed=frozenset({128})),
+    page_sizes=frozenset({16, 32, 64, 128, 256}),
+    gqa=True, softcap=True, window=True,
+    jax_versions=">=0.10,<0.13",
+)
+
+#: Why a paged call that only the ragged kernel serves cannot run on cpu.
+RAGGED_NOT_INTERPRETED = (
+    "the ragged kernel (layout 'kv_combined') serving this call does not run in "
+    "Pallas' interpreters (TPU interpret mode: \"'ReshapeTransform' object has no "
+    "attribute 'indices'\"; interpret=True: \"'TypedInt' object has no attribute "
+    "'shape'\"): tpu only")
+
+
+@dataclasses.dataclass(frozen=True)
+class _InterpretedPagedCapabilities(PagedCapabilities):
+    """The paged manifest as the interpret switch sees it: on cpu only the decode
+    path (JAX's paged_attention, which runs in TPU interpret mode) serves."""
+
+    def unmet(self, call: PagedCall, platform: str) -> list[str]:
+        reasons = super().unmet(call, platform)
+        if platform != "cpu":
+            return reasons
+        declined = _paged_decode.declines(call)
+        if declined:
+            return reasons + [RAGGED_NOT_INTERPRETED, *declined]
+        if "cpu" not in self.platforms:
+            return [f"{r} ({SWITCH.off_note})" if r.startswith("platform ") else r
+                    for r in reasons]
+        return reasons
+
+
+def _switched_paged(base: PagedCapabilities) -> SwitchedManifest:
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    off = _InterpretedPagedCapabilities(**fields)
+    on = _InterpretedPagedCapabilities(**{**fields, "platforms": base.platforms | {"cpu"}})
+    return SwitchedManifest(SWITCH, off, on)  # type: ignore[arg-type]
+
+
+class FlashPallasBackend(Backend, PagedBackend):
     """Splash attention from ``jax.experimental.pallas.ops.tpu``, adapted to BTNH.
 
     ``options``: a :class:`SplashBlockSizes`, or None for
     ``SplashBlockSizes.default_for(call, device_kind)``.
+
+    Paged calls too (:meth:`attend_paged`): decode-only bfloat16 calls
+    (``max_q_len=1``, no window) through JAX's ``paged_attention`` on the
+    ``"heads_first"`` layout (also on cpu in interpret mode), every other one
+    through JAX's ragged paged attention kernel on ``"kv_combined"`` (tpu only);
+    their ``options``: a :class:`RaggedBlockSizes`, or None for the kernels'
+    defaults.
     """
 
     name = "flash_pallas"
@@ -41,6 +110,8 @@ class FlashPallasBackend(Backend):
     capabilities = SWITCH.capabilities(MANIFEST)  # type: ignore[assignment]
     priority = {"tpu": 100, "cpu": 10}
     hlo_marker = "tpu_custom_call"
+    #: PAGED_MANIFEST, plus cpu for the decode path while interpret mode is on.
+    paged_capabilities = _switched_paged(PAGED_MANIFEST)  # type: ignore[assignment]
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                options: Any = None) -> Any:
@@ -64,6 +135,46 @@ class FlashPallasBackend(Backend):
         if max(call.q_len, call.kv_len) <= LANES:
             return None
         return SplashBlockSizes()
+
+    def check_paged(self, call: PagedCall) -> list[str]:
+        """The ragged kernel's own rule for how many kv heads it can tile per
+        dtype (the decode kernel takes any group)."""
+        return [] if self._decodes(call) else _paged.heads_reasons(call)
+
+    @staticmethod
+    def _decodes(call: PagedCall) -> bool:
+        return not _paged_decode.declines(call)
+
+    def _layout(self, call: PagedCall) -> Any:
+        return _paged_decode if self._decodes(call) else _paged
+
+    def cache_layout(self, call: PagedCall) -> str:
+        """``"heads_first"`` for calls the decode kernel serves, else ``"kv_combined"``."""
+        return str(self._layout(call).LAYOUT)
+
+    def from_canonical(self, call: PagedCall, k_pages: Any, v_pages: Any) -> KVCache:
+        return self._layout(call).from_canonical(call, k_pages, v_pages)
+
+    def to_canonical(self, call: PagedCall, cache: KVCache) -> tuple[Any, Any]:
+        return self._layout(call).to_canonical(call, cache)
+
+    def init_cache(self, call: PagedCall, num_pages: int) -> KVCache:
+        return self._layout(call).init_cache(call, num_pages)
+
+    def write(self, call: PagedCall, cache: KVCache, k: Any, v: Any, slots: Any) -> KVCache:
+        return self._layout(call).write(call, cache, k, v, slots)
+
+    def attend_paged(self, call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
+                     options: Any = None) -> Any:
+        """q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` through ``paged_attention`` (decode
+        calls) or ``ragged_paged_attention``."""
+        # None stays None: the ragged kernel's tuned table on a TPU host, else its defaults.
+        blocks = None if options is None else resolve_options(
+            options, _paged.RaggedBlockSizes, _paged.RaggedBlockSizes)
+        if self._decodes(call):
+            pages = (blocks or _paged.RaggedBlockSizes()).kv_pages_per_block
+            return _paged_decode.paged_attention(call, q, cache, batch, pages)
+        return _paged.paged_attention(call, q, cache, batch, blocks)
 
 
 @attn_backends.hookimpl

@@ -57,18 +57,18 @@ _KERNEL = "attn_backend_xla_native._paged"
 # (-k), a fragment of the failing case's id, how the probe's reason starts).
 MUTANTS = {
     "page_table_off_by_one_page": (
-        [(_KERNEL, "paged_attention", "jnp.clip(batch.page_table[seq[:, None], cols[None, :]], 0",
-          "jnp.clip(batch.page_table[seq[:, None], cols[None, :]] + 1, 0")],
+        [(_KERNEL, "_attend", "jnp.clip(batch.page_table[tiles.seq[:, None], cols[None, :]], 0",
+          "jnp.clip(batch.page_table[tiles.seq[:, None], cols[None, :]] + 1, 0")],
         "test_paged_matches_oracle and paged-mixed-float32", "paged-mixed-",
         "probe: out "),
     "last_partial_page_dropped": (
-        [(_KERNEL, "paged_attention", "filled = (pos[None, :] < kv_len[:, None]) &",
+        [(_KERNEL, "_attend", "filled = (pos[None, :] < kv_len[:, None]) &",
           "filled = (pos[None, :] < kv_len[:, None] // call.page_size * call.page_size) &")],
         "test_paged_matches_oracle and paged-kv5-float32", "paged-kv5-",
         "probe: out "),
     "window_off_by_one": (
-        [(_KERNEL, "paged_attention", "visible &= pos[None, :] >= first[:, None]",
-          "visible &= pos[None, :] >= first[:, None] - 1")],
+        [(_KERNEL, "_attend", "visible &= pos >= first[..., None]",
+          "visible &= pos >= first[..., None] - 1")],
         "test_paged_matches_oracle and paged-window-p-float32", "paged-window-p-",
         "probe: out "),
     "padding_slot_written": (

@@ -179,8 +179,9 @@ def test_interpret_mode_does_not_claim_cpu_for_ragged_calls(monkeypatch):
 
 def _export_step(monkeypatch, rows: int, seqs: int, dtype: str, around=None) -> str:
     """The StableHLO of ``jit(paged.__call__)`` exported for TPU (the real kernel)."""
-    _claim_cpu(monkeypatch)
-    paged = ab.registry.get_paged(device="cpu", backend="flash_pallas", num_q_heads=8,
+    # For a tpu JAX does not see here: selected by the manifest, traced for export.
+    monkeypatch.delenv("ATTN_BACKENDS_PALLAS_INTERPRET", raising=False)
+    paged = ab.registry.get_paged(device="tpu", backend="flash_pallas", num_q_heads=8,
                                   num_kv_heads=2, head_dim=128, page_size=16, dtype=dtype,
                                   softcap=20.0, window=(100, None))
     spec = jax.ShapeDtypeStruct
@@ -235,14 +236,14 @@ def test_write_scatters_into_the_layout_without_a_round_trip(monkeypatch):
     # view (exact too) from a direct write: the program can. Its only ops on
     # cache-sized arrays are the reshape to rows (no copy) and back, and one
     # scatter of the new rows.
-    _claim_cpu(monkeypatch)
-    paged = ab.registry.get_paged(device="cpu", backend="flash_pallas", num_q_heads=8,
+    monkeypatch.delenv("ATTN_BACKENDS_PALLAS_INTERPRET", raising=False)
+    paged = ab.registry.get_paged(device="tpu", backend="flash_pallas", num_q_heads=8,
                                   num_kv_heads=2, head_dim=128, page_size=16, dtype="bfloat16")
     spec = jax.ShapeDtypeStruct
     cache = jax.eval_shape(lambda: paged.init_cache(POOL))
     token = spec((5, 2, 128), jnp.bfloat16)
-    text = jax.jit(paged.write, donate_argnums=0).lower(
-        cache, token, token, spec((5,), jnp.int32)).as_text()
+    text = jax.export.export(jax.jit(paged.write), platforms=["tpu"])(
+        cache, token, token, spec((5,), jnp.int32)).mlir_module()
     ops = set(cache_sized_ops(text, (POOL, 16, 4, 128), "bf16"))
     ops |= set(cache_sized_ops(text, (POOL * 16, 4, 128), "bf16"))
     # A scatter's types sit on the line closing its region, "}) : (...)".

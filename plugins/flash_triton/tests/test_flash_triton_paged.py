@@ -56,7 +56,9 @@ class TestFlashTritonPaged(PagedCases):
         # kernel columns, and 70 keys put a block in each of two partitions.
         self.options = TritonPagedBlocks(pages_per_compute_block=8, k_splits=3)  # this test's
         self.agrees([(5, 70), (1, 45), (19, 40)], call=dict(window=(37, None)), pad_rows=2)
-        with pytest.raises(ValueError, match="makes compute blocks of 8 keys"):
+        # Options the kernel cannot take fail the probe at get_paged, loudly.
+        with pytest.raises(ab.UnsupportedError,
+                           match="probe raised ValueError: .*makes compute blocks of 8 keys"):
             self.options = TritonPagedBlocks(pages_per_compute_block=2, k_splits=1)
             self.agrees([(1, 9)])
 
@@ -158,15 +160,19 @@ def test_the_claimed_extremes_lower_for_cuda(page_size, head_dim, width):
     assert text.count(TRITON) == 1
 
 
-def test_paged_call_through_core_lowers_for_cuda_with_the_interpret_switch_on():
-    # Selected on cpu in interpret mode; a cuda lowering of the same __call__
-    # still gets the compiled Triton kernel (lax.platform_dependent).
-    with interpret_mode():
-        paged = ab.registry.get_paged(backend="flash_triton", **CALL)
-        q, pool, batch = _specs(rows=8, seqs=8, pages=64, width=8)
-        cache = jax.eval_shape(paged.from_canonical, pool, pool)
-        text = _cuda_module(paged.__call__, q, cache, batch)
+def test_paged_call_through_core_exports_for_a_gpu_this_machine_lacks():
+    # Selected for a gpu JAX does not see here (manifest only, unprobed): core's
+    # __call__ exports for cuda with the compiled Triton kernel; the same call
+    # selected on cpu in interpret mode is lowered for cpu only.
+    paged = ab.registry.get_paged(device="gpu", backend="flash_triton", **CALL)
+    q, pool, batch = _specs(rows=8, seqs=8, pages=64, width=8)
+    cache = jax.eval_shape(paged.from_canonical, pool, pool)
+    text = _cuda_module(paged.__call__, q, cache, batch)
     assert text.count(TRITON) == 1 and "attn_paged/flash_triton" in text
+    with interpret_mode():
+        on_cpu = ab.registry.get_paged(device="cpu", backend="flash_triton", **CALL)
+        with pytest.raises(ab.PlatformUnavailableError, match="selected for cpu"):
+            _cuda_module(on_cpu.__call__, q, cache, batch)
 
 
 def test_paged_blocks_are_checked():

@@ -25,11 +25,6 @@ class TestXlaNativePagedSmallBlocks(PagedCases):
     options = PagedConfig(pages_per_block=2)
 
 
-class TestXlaNativePagedOnePagePerBlock(PagedCases):
-    backend = "xla_native"
-    options = PagedConfig(pages_per_block=1)
-
-
 class TestXlaNativePagedDefaultBlocks(PagedCases):
     backend = "xla_native"
 

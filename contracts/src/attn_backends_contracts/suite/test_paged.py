@@ -39,12 +39,17 @@ def _applies(param: Any) -> PagedSuiteCase | tuple[str, str]:
 def _paged(suite: Any, case: PagedSuiteCase, *, declined_skips: bool = True) -> Any:
     """The registry's PagedAttention for ``case``'s call on the suite's platform.
 
-    A call the manifest allows but the backend's ``check_paged`` declines is
-    skipped with its reasons (shown in the summary and certificate).
+    A call the manifest's fields allow but the backend declines on this platform,
+    by its manifest's own ``unmet`` (a kernel that runs on a platform only for
+    some calls, e.g. an emulated one) or by ``check_paged``, is skipped with its
+    reasons (shown in the summary and certificate).
     """
     if declined_skips:
         call = suite.registry.explain_paged(device=suite.platform, backend=suite.backend.name,
                                             **case.call_args()).call
+        unmet = suite.backend.paged_capabilities.unmet(call, suite.platform)
+        if unmet:
+            pytest.skip(f"not served on {suite.platform} by the manifest: {'; '.join(unmet)}")
         reasons = [str(r) for r in suite.backend.check_paged(call)]
         if reasons:
             pytest.skip(f"declined by the backend's check_paged(): {'; '.join(reasons)}")

@@ -41,7 +41,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 from attn_backend_xla_native import PagedConfig, XlaNativeBackend
 from attn_backend_xla_native._plan import DECODE_MIN_JAXLIB, _jaxlib_at_least
+
+# The same interleaved rounds and same-run bandwidth peer as the decode benchmark
+# (this script's folder is on sys.path when it runs).
+from bench_decode import in_rounds, sum_run
 
 _BACKEND = XlaNativeBackend()
 
@@ -140,22 +143,6 @@ def contiguous_attend(q: Any, k: Any, v: Any, lengths: Any, causal: bool = True)
     return _BACKEND.attend(call, q, k, v, ops)
 
 
-def sum_run(k: Any, v: Any) -> Callable[[], Any]:
-    g = jax.jit(lambda k, v: jnp.sum(k) + jnp.sum(v))
-    return _timed(g, k, v)
-
-
-def in_rounds(runs: dict[str, Callable[[], Any]], reps: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds per timed run of each contender (see the module docstring)."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            run()
-            for _ in range(reps):
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 def _stats(times: list[float]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable
@@ -160,3 +161,15 @@ def make_dist(
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
     (info / "entry_points.txt").write_text(f"[attn_backends]\n{backend} = {module}\n")
     return module
+
+
+def gpu_target() -> Any:
+    """A context naming an H100 as the device to lower for (a GPU this machine
+    lacks), on jax lines that need one for a cuda lowering; else nothing."""
+    if not hasattr(jax.sharding, "AbstractDevice"):
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                         platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                     abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)

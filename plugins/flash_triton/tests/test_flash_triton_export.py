@@ -13,12 +13,11 @@ lowering, not GPU compilation or numerics (numerics: interpret mode and
 
 from __future__ import annotations
 
-import contextlib
-
 import attn_backends
 import jax
 import jax.numpy as jnp
 import pytest
+from _support import gpu_target
 from attn_backend_flash_triton import FlashTritonBackend, TritonBlockSizes, interpret_mode
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -31,23 +30,12 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
-def _gpu_target():
-    """On jax lines that need it, an abstract mesh naming the GPU to lower for."""
-    if not hasattr(jax.sharding, "AbstractDevice"):
-        return contextlib.nullcontext()
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                         platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
-                                     abstract_device=device)
-    return jax.sharding.use_abstract_mesh(mesh)
-
-
 def _spec(shape, dtype):
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
 
 def _export(fn, *specs, interpret=False):
-    with interpret_mode(interpret), _gpu_target():
+    with interpret_mode(interpret), gpu_target():
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
                                      disabled_checks=DISABLED)(*specs)
     assert exported.platforms == ("cuda",)

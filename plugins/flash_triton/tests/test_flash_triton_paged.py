@@ -12,7 +12,6 @@ the Triton call and no copy of the pool.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import attn_backends as ab
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _paged_support import PS, PagedCases, paged_case
+from _support import gpu_target
 from attn_backend_flash_triton import ENV_VAR, FlashTritonBackend, TritonPagedBlocks, interpret_mode
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -78,17 +78,6 @@ class TestFlashTritonPaged(PagedCases):
         assert np.abs(out - case.expected()).max() > 0  # really computed in bf16
 
 
-def _gpu_target():
-    """On jax lines that need it, an abstract mesh naming the GPU to lower for."""
-    if not hasattr(jax.sharding, "AbstractDevice"):
-        return contextlib.nullcontext()
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                         platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
-                                     abstract_device=device)
-    return jax.sharding.use_abstract_mesh(mesh)
-
-
 CALL = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16")
 
 
@@ -102,7 +91,7 @@ def _specs(rows: int, seqs: int, pages: int, width: int):
 
 def _cuda_module(fn, *args) -> str:
     checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON)]
-    with _gpu_target():
+    with gpu_target():
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
                                      disabled_checks=checks)(*args)
     return exported.mlir_module()

@@ -107,3 +107,39 @@ def test_a_case_check_paged_declines_is_skipped_with_its_reason(tmp_path: Path) 
     cert = json.loads(path.read_text())
     assert code == 0 and not cert["failures"], cert["failures"]
     assert cert["cases"] == {"run": 2, "passed": 1, "failed": 0, "skipped": 1}
+
+
+def test_a_case_the_manifest_declines_here_runs_as_its_decode_step() -> None:
+    """A manifest serving only bfloat16 decode steps on cpu (flash_pallas' emulated
+    kernel): each declined case becomes its decode step in bfloat16; a same_seq case,
+    and one whose decode step is declined too (a window), stay, to be skipped."""
+
+    class DecodeOnBf16Here(ab.PagedCapabilities):
+        def unmet(self, call: Any, platform: str) -> list[str]:
+            extra = [] if platform != "cpu" or (call.max_q_len == 1 and call.dtype == "bfloat16"
+                                                and call.window is None) else ["emulated: no"]
+            return super().unmet(call, platform) + extra
+
+    backend = _backend()
+    backend.paged_capabilities = DecodeOnBf16Here(platforms={"tpu", "cpu"}, gqa=True,
+                                                  window=True, softcap=True,
+                                                  dtypes={"float32", "bfloat16"})
+    cases = paged_cases.paged_cases_for(backend) + paged_cases.paged_dtypes(backend)
+    served = paged_cases.as_served(cases, backend, "cpu", lambda c: ab.registry.explain_paged(
+        device="cpu", backend=None, **c.call_args()).call)
+    by_id = {c.id: c for c in served}
+    mixed = next(c for c in cases if c.name == "mixed" and c.dtype == "float32")
+    step = by_id["paged-mixed-as-decode-bfloat16"]
+    assert step.max_q_len == 1 and step.seqs == tuple((min(q, 1), kv) for q, kv in mixed.seqs)
+    assert (step.num_seqs, step.pad_rows, step.order) == (mixed.num_seqs, mixed.pad_rows,
+                                                          mixed.order)
+    assert {0, 1} == {q for q, _ in step.seqs}  # a sequence without new rows keeps none
+    assert "paged-window-p-float32" in by_id and "paged-same-seq-twice-float32" in by_id
+    assert "paged-store-as-decode-bfloat16" in by_id
+    # The float32 and bfloat16 "mixed" share one step: it runs once.
+    assert len(served) == len(by_id)
+    assert not [c for c in served if c.kind != "same_seq" and c.window is None
+                and not c.name.endswith("-as-decode")]
+    # Where the manifest serves every case, nothing changes.
+    assert paged_cases.as_served(cases, backend, "tpu", lambda c: ab.registry.explain_paged(
+        device="cpu", backend=None, **c.call_args()).call) == cases

@@ -16,10 +16,16 @@ rows; GQA groups 1, 2, 4 and 8 and MQA; softcap with a scale; windows; a pure
 decode step under ``max_q_len=1``; the same sequence at two batch positions.
 Everything the contract says never matters holds NaN, Inf and -Inf. Other
 claimed dtypes, page sizes and head dims each run a few of these.
+
+A backend whose manifest serves only some calls on the suite's platform (by
+its own ``unmet``: an emulated kernel that runs only for decode steps, say)
+gets each case it declines as that case's decode step, in the first claimed
+dtype it serves (:func:`as_served`), rather than the case skipped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -28,8 +34,9 @@ from attn_backends.oracle import PagedCase, paged_case
 from ._paged_case import PagedSuiteCase
 from .cases import HEAD_DIM_CANDIDATES, base_head_dim
 
-__all__ = ["DEFAULT_PAGE_SIZE", "PagedCase", "PagedSuiteCase", "emulated", "not_applicable",
-           "paged_case", "paged_cases_for", "paged_dtypes", "paged_unclaimed", "unclaimed_case"]
+__all__ = ["DEFAULT_PAGE_SIZE", "PagedCase", "PagedSuiteCase", "as_served", "emulated",
+           "not_applicable", "paged_case", "paged_cases_for", "paged_dtypes", "paged_unclaimed",
+           "unclaimed_case"]
 
 #: The page size of a manifest that takes any: small, so a few tokens cross pages.
 DEFAULT_PAGE_SIZE = 4
@@ -37,6 +44,9 @@ DEFAULT_PAGE_SIZE = 4
 DTYPE_SWEEP = ("mixed", "gqa-h8kv2", "window-p")
 #: Cases run at the manifest's other page sizes and head dims (by name).
 SHAPE_SWEEP = ("mixed",)
+#: Kinds of case :func:`as_served` may run as a decode step (a ``same_seq``
+#: case's rows are laid out for sequences of two new rows).
+AS_DECODE_KINDS = ("attend", "store")
 
 
 def not_applicable(backend: Any, platform: str) -> str | None:
@@ -160,6 +170,37 @@ def paged_cases_for(backend: Any, *, quick: bool = False) -> list[PagedSuiteCase
                                        head_dim=d, dtype=primary), pcaps))
         for dim in _other_head_dims(pcaps.head_dims, d)[: 1 if quick else 2]:
             out.append(replace(case, name=f"{name}-d{dim}", head_dim=dim))
+    return out
+
+
+def as_served(cases: list[PagedSuiteCase], backend: Any, platform: str,
+              call_of: Callable[[PagedSuiteCase], Any]) -> list[PagedSuiteCase]:
+    """``cases`` as ``backend`` serves them on ``platform``, by its manifest's ``unmet``.
+
+    A case the manifest declines there is replaced by its decode step: every
+    sequence's new rows cut to at most one (a sequence with none keeps none;
+    key lengths, pages, garbage and padding rows as before), under
+    ``max_q_len=1``, in the case's dtype or else the first other claimed dtype
+    the manifest serves (the id says ``-as-decode`` and names that dtype). A
+    case with no such step stays as it is, and its test skips with the
+    manifest's reasons. Duplicates (two cases with one step) run once.
+    ``call_of(case)`` is the case's :class:`attn_backends.PagedCall`.
+    """
+    pcaps = backend.paged_capabilities
+
+    def served(case: PagedSuiteCase) -> bool:
+        return not pcaps.unmet(call_of(case), platform)
+
+    out: list[PagedSuiteCase] = []
+    for case in cases:
+        if case.kind in AS_DECODE_KINDS and not served(case):
+            step = replace(case, name=f"{case.name}-as-decode", max_q_len=1,
+                           seqs=tuple((min(q, 1), kv) for q, kv in case.seqs))
+            dtypes = [case.dtype, *sorted(pcaps.dtypes - {case.dtype})]
+            case = next((c for c in (replace(step, dtype=dt) for dt in dtypes) if served(c)),
+                        case)
+        if case.id not in {c.id for c in out}:
+            out.append(case)
     return out
 
 

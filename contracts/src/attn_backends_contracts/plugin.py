@@ -118,7 +118,18 @@ def _parametrize_paged(metafunc: pytest.Metafunc, name: str, suite: Any) -> None
         quick = suite.quick or paged_cases.emulated(suite.backend, suite.platform)
         chosen = (paged_cases.paged_cases_for(suite.backend, quick=quick)
                   if name == "attn_paged" else paged_cases.paged_dtypes(suite.backend))
+        chosen = paged_cases.as_served(chosen, suite.backend, suite.platform,
+                                       lambda case: _paged_call(suite, case))
         metafunc.parametrize(name, chosen, ids=[c.id for c in chosen])
+
+
+def _paged_call(suite: Any, case: Any) -> Any:
+    """``case``'s PagedCall, as the registry binds it (float64 under x64, as it runs)."""
+    from ._inputs import x64_for
+
+    with x64_for(case.dtype):
+        return suite.registry.explain_paged(device=suite.platform, backend=suite.backend.name,
+                                            **case.call_args()).call
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -41,8 +41,10 @@ def _paged(suite: Any, case: PagedSuiteCase, *, declined_skips: bool = True) -> 
 
     A call the manifest's fields allow but the backend declines on this platform,
     by its manifest's own ``unmet`` (a kernel that runs on a platform only for
-    some calls, e.g. an emulated one) or by ``check_paged``, is skipped with its
-    reasons (shown in the summary and certificate).
+    some calls, e.g. an emulated one: such a case was replaced at collection by
+    its decode step where the manifest serves that, ``paged_cases.as_served``)
+    or by ``check_paged``, is skipped with its reasons (shown in the summary and
+    certificate).
     """
     if declined_skips:
         call = suite.registry.explain_paged(device=suite.platform, backend=suite.backend.name,

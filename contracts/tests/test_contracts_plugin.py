@@ -35,8 +35,11 @@ def test_suite_without_a_backend_is_a_usage_error(capsys: pytest.CaptureFixture[
     assert "passed" not in captured.out and "skipped" not in captured.out
 
 
-def test_backend_object_route_writes_a_certificate(tmp_path: Path) -> None:
+def test_backend_object_route_writes_a_certificate(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "cert.json"
+    # Read when the certificate is written (this process's XLA started long ago).
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
     code = pytest.main([
         "--pyargs", "attn_backends_contracts", "-q", "-p", "no:cacheprovider", *_REWRITE_OK,
         "--attn-backend-object=attn_backend_reference._plugin:ReferenceBackend",
@@ -46,6 +49,7 @@ def test_backend_object_route_writes_a_certificate(tmp_path: Path) -> None:
     assert code == 0 and cert["passed"]
     assert cert["backend"] == "reference" and cert["source"].startswith("object ")
     assert cert["only_families"] == ["output_dtype", "unclaimed"]
+    assert cert["xla_flags"] == "--xla_backend_optimization_level=0"
     for key in ("jax", "jaxlib", "libtpu", "platform", "device_kind", "api_version", "date"):
         assert key in cert
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 from collections import Counter
 from importlib import metadata
 from typing import Any
@@ -40,6 +41,9 @@ def certificate(suite: Any, exitstatus: int) -> dict[str, Any]:
         "source": suite.source,
         "mode": "quick" if suite.quick else "full",
         "only_families": suite.only,
+        # Compiler flags change no operation of a program, but may its code:
+        # a certificate says which it was made with.
+        "xla_flags": os.environ.get("XLA_FLAGS") or None,
         "passed": exitstatus == 0 and failed == 0 and counts["passed"] > 0,
         "tests": {k: counts[k] for k in ("passed", "failed", "skipped")},
         "cases": {
@@ -64,7 +68,8 @@ def summary_lines(suite: Any) -> list[str]:
     lines = [
         f"backend {backend.name} {backend.version} on {suite.platform} "
         f"({cert.get('device_kind')}), jax {cert.get('jax')}, "
-        f"{'quick' if suite.quick else 'full'} table",
+        f"{'quick' if suite.quick else 'full'} table"
+        + (f", XLA_FLAGS={cert['xla_flags']}" if cert.get("xla_flags") else ""),
         "",
         f"{'family':<14}{'dtype':<10}{'passed':>8}{'failed':>8}{'skipped':>9}",
     ]

@@ -19,7 +19,11 @@ size 16, GQA 32:8, D=128, float32, pages handed out in a random order.
    plus a jitted ``jnp.sum`` over the pool's K and V: the bandwidth a one-pass
    reader gets here in the same run. Each contender's fraction of bandwidth is
    the bytes the step must read (K and V of the live tokens) per second over
-   the sum's bytes per second.
+   the sum's bytes per second. A third contender, ``einsum_ceiling``, is the
+   least a decode step computes as XLA compiles it: two einsums and a softmax
+   over the whole contiguous cache, no lengths, no mask (not attention: its
+   output is not checked); its fraction, of the whole cache's bytes, is about
+   what any plain-XLA decode step can reach on this machine.
 2. Mixed batch: one 512-token prefill chunk (the last 512 positions of
    sequence 0) plus 31 decode steps, paged in one call, against the prefill
    (q ``[1, 512, 32, 128]`` against sequence 0's own contiguous cache,
@@ -145,6 +149,15 @@ def contiguous_attend(q: Any, k: Any, v: Any, lengths: Any, causal: bool = True)
 
 
 
+def einsum_ceiling(q: Any, k: Any, v: Any) -> Any:
+    """q ``[S, Hq, D]``, k and v ``[S, L, Hkv, D]`` -> ``[S, Hq, D]``: softmax(q k^T) v
+    over every key, unmasked and unscaled (the floor of a decode step's work)."""
+    s, hq, d = q.shape
+    qg = q.reshape(s, k.shape[2], hq // k.shape[2], d)
+    weights = jax.nn.softmax(jnp.einsum("shgd,slhd->shgl", qg, k), axis=-1)
+    return jnp.einsum("shgl,slhd->shgd", weights, v).reshape(s, hq, d)
+
+
 def _stats(times: list[float]) -> dict[str, float]:
     return {"median_ms": 1e3 * statistics.median(times), "best_ms": 1e3 * min(times),
             "timed_runs": len(times)}
@@ -174,14 +187,17 @@ def decode_bench(shape: Shape, pool: Pool, args: argparse.Namespace) -> dict[str
     dense_q = q[:, None]
     err = _check_close("decode", paged_fn(q, cache, batch), dense_fn(dense_q, k, v, lengths)[:, 0])
     runs = {"sum": sum_run(*cache.arrays), "paged": _timed(paged_fn, q, cache, batch),
-            "contiguous": _timed(dense_fn, dense_q, k, v, lengths)}
+            "contiguous": _timed(dense_fn, dense_q, k, v, lengths),
+            "einsum_ceiling": _timed(jax.jit(einsum_ceiling), q, k, v)}
     times = in_rounds(runs, args.reps, args.rounds)
     result = {name: _stats(t) for name, t in times.items()}
     pool_bytes = sum(x.nbytes for x in cache.arrays)
     gbps = pool_bytes / (result["sum"]["median_ms"] / 1e3) / 1e9
     result["sum"]["gb_per_s"] = gbps
-    for name in ("paged", "contiguous"):
-        rate = pool.live_bytes / (result[name]["median_ms"] / 1e3) / 1e9
+    read = {"paged": pool.live_bytes, "contiguous": pool.live_bytes,
+            "einsum_ceiling": k.nbytes + v.nbytes}
+    for name, nbytes in read.items():
+        rate = nbytes / (result[name]["median_ms"] / 1e3) / 1e9
         result[name]["bandwidth_fraction"] = rate / gbps
     result["paged_speed_vs_contiguous"] = (result["contiguous"]["median_ms"]
                                            / result["paged"]["median_ms"])
@@ -261,6 +277,9 @@ def report(result: dict[str, Any]) -> str:
         f"({100 * d['paged']['bandwidth_fraction']:.0f}%) | {d['contiguous']['median_ms']:.1f} "
         f"({100 * d['contiguous']['bandwidth_fraction']:.0f}%) "
         f"| {d['paged_speed_vs_contiguous']:.2f}x |", "",
+        f"einsum ceiling (whole contiguous cache, unmasked): "
+        f"{d['einsum_ceiling']['median_ms']:.1f} ms, "
+        f"{100 * d['einsum_ceiling']['bandwidth_fraction']:.0f}% of bandwidth", "",
         "| mixed batch | timed runs | paged ms | prefill + decode dense ms | paged speed / dense |",
         "|---|---|---|---|---|",
         f"| {m['prefill_rows']} + {m['decode_rows']} rows | {m['paged']['timed_runs']} "

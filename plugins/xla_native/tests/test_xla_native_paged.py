@@ -53,6 +53,11 @@ class TestXlaNativePagedGroupsOfTwo(PagedCases):
         self.agrees(seqs, pad_rows=3, spare_pages=2)
         self.agrees(seqs, call=dict(window=(6, None)))
 
+    def test_short_chunks_each_ending_in_a_partial_tile(self) -> None:
+        # 17 rows, no padding, in 10 chunk tiles: more than 17 / 2 rounded up, as
+        # many as a batch of chunks may need.
+        self.agrees([(3, 7), (2, 9), (3, 3), (1, 4), (5, 12), (3, 20)], pad_rows=0)
+
 
 class TestXlaNativePagedDecodeOnlyGroups(PagedCases):
     """``max_q_len=1`` (only the decode kind compiled) in groups of 3 tiles."""

@@ -93,8 +93,8 @@ _BLOCK_KEYS = 128
 _ROWS_PER_TILE = 16
 #: Tiles one loop step runs side by side: few enough that a group's tiles share
 #: a key range (its loop runs to the longest of them). On cpu, the benchmark's
-#: decode step and mixed batch ran as fast with 1, 2 or 4 and 20-40% slower
-#: with 8 or 32 (BENCHMARKS.md, "Paged attention").
+#: decode step and mixed batch ran about as fast with 1, 2 or 4 and 13-55%
+#: slower with 8 or 32 (BENCHMARKS.md, "Paged attention").
 _TILES_PER_GROUP = 4
 
 

@@ -303,12 +303,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--pages-per-block", type=int, default=None,
                         help="xla_native's PagedConfig (default: PagedConfig.default_for)")
     parser.add_argument("--rows-per-tile", type=int, default=None)
+    parser.add_argument("--tiles-per-group", type=int, default=None)
     args = parser.parse_args(argv)
     args.config = None
-    if args.pages_per_block or args.rows_per_tile:
+    if args.pages_per_block or args.rows_per_tile or args.tiles_per_group:
         default = PagedConfig.default_for(get_paged(Shape.full()).call)
         args.config = PagedConfig(args.pages_per_block or default.pages_per_block,
-                                  args.rows_per_tile or default.rows_per_tile)
+                                  args.rows_per_tile or default.rows_per_tile,
+                                  args.tiles_per_group or default.tiles_per_group)
     args.rounds = args.rounds or (1 if args.quick else 5)
     shape = Shape.quick() if args.quick else Shape.full()
     pool = make_pool(shape)

@@ -2,8 +2,9 @@
 case set against the float64 oracle (tests/_paged_support.py's
 :class:`PagedCases`) with blocks of 2 pages, so sequences cross several blocks
 and a block several pages, with tiles of 2 rows, so prefill chunks span several
-tiles, and with its defaults; selection on cpu; and temporary memory that does
-not grow with the pool.
+tiles, in groups of 2 and 3 tiles (several groups of each kind of tile, decode
+steps far shorter than a chunk beside them), and with its defaults; selection
+on cpu; and temporary memory that does not grow with the pool.
 """
 
 from __future__ import annotations
@@ -37,6 +38,35 @@ class TestXlaNativePagedTwoRowTiles(PagedCases):
     options = PagedConfig(pages_per_block=2, rows_per_tile=2)
 
 
+class TestXlaNativePagedGroupsOfTwo(PagedCases):
+    """Groups of 2 tiles of 2 rows: a batch of the case set with more than two
+    tiles of a kind runs several groups of it, many ending in a partial one."""
+
+    backend = "xla_native"
+    options = PagedConfig(pages_per_block=2, rows_per_tile=2, tiles_per_group=2)
+
+    def test_decode_steps_far_shorter_than_the_chunk(self) -> None:
+        # A 23-row chunk (12 tiles, 6 groups) of a 170-key sequence (22 blocks),
+        # a 3-row chunk, and 7 decode steps of 1 to 40 keys in no order of length
+        # (4 groups, the last partial, each running its own few blocks).
+        seqs = [(1, 9), (23, 170), (1, 1), (1, 40), (3, 30), (1, 5), (1, 33), (1, 2), (1, 17)]
+        self.agrees(seqs, pad_rows=3, spare_pages=2)
+        self.agrees(seqs, call=dict(window=(6, None)))
+
+    def test_short_chunks_each_ending_in_a_partial_tile(self) -> None:
+        # 17 rows, no padding, in 10 chunk tiles: more than 17 / 2 rounded up, as
+        # many as a batch of chunks may need.
+        self.agrees([(3, 7), (2, 9), (3, 3), (1, 4), (5, 12), (3, 20)], pad_rows=0)
+
+
+class TestXlaNativePagedDecodeOnlyGroups(PagedCases):
+    """``max_q_len=1`` (only the decode kind compiled) in groups of 3 tiles."""
+
+    backend = "xla_native"
+    options = PagedConfig(pages_per_block=2, tiles_per_group=3)
+    max_q_len = 1
+
+
 def test_cpu_selection_picks_xla_native_over_reference():
     paged = ab.registry.get_paged(device="cpu", num_q_heads=8, num_kv_heads=2, head_dim=16,
                                   page_size=16, dtype="bfloat16", softcap=30.0,
@@ -46,11 +76,13 @@ def test_cpu_selection_picks_xla_native_over_reference():
     assert "reference" in verdicts
 
 
-def test_pages_per_block_and_rows_per_tile_are_checked():
+def test_the_paged_config_is_checked():
     with pytest.raises(ValueError, match="pages_per_block must be an int >= 1, got 0"):
         PagedConfig(pages_per_block=0)
     with pytest.raises(ValueError, match="rows_per_tile must be an int >= 1, got True"):
         PagedConfig(pages_per_block=1, rows_per_tile=True)
+    with pytest.raises(ValueError, match="tiles_per_group must be an int >= 1, got 0"):
+        PagedConfig(pages_per_block=1, tiles_per_group=0)
 
 
 def _temp_bytes(num_pages: int) -> int:

@@ -91,21 +91,30 @@ _BLOCK_KEYS = 128
 #: Query rows of one sequence per tile (prefill chunks): one gather of a block
 #: of pages serves them all.
 _ROWS_PER_TILE = 16
+#: Tiles one loop step runs side by side: few enough that a group's tiles share
+#: a key range (its loop runs to the longest of them). On cpu, the benchmark's
+#: decode step and mixed batch ran about as fast with 1, 2 or 4 and 13-55%
+#: slower with 8 or 32 (BENCHMARKS.md, "Paged attention").
+_TILES_PER_GROUP = 4
 
 
 @dataclass(frozen=True)
 class PagedConfig:
-    """Pages per block and query rows per tile of the paged kernel (each >= 1).
+    """Pages per block, query rows per tile and tiles per group of the paged
+    kernel (each an int >= 1).
 
-    A tile holds up to ``rows_per_tile`` rows of one sequence; a batch of decode
-    steps only runs tiles of one row whatever ``rows_per_tile`` says.
+    A tile holds up to ``rows_per_tile`` rows of one sequence with more than
+    one row (a prefill chunk); a sequence of one row (a decode step) is a tile
+    of one row whatever ``rows_per_tile`` says. ``tiles_per_group`` tiles of a
+    kind run side by side, each group over its own rows' blocks of keys.
     """
 
     pages_per_block: int
     rows_per_tile: int = _ROWS_PER_TILE
+    tiles_per_group: int = _TILES_PER_GROUP
 
     def __post_init__(self) -> None:
-        for name in ("pages_per_block", "rows_per_tile"):
+        for name in ("pages_per_block", "rows_per_tile", "tiles_per_group"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedConfig: {name} must be an int >= 1, got {value!r}")

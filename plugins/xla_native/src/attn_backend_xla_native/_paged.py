@@ -2,24 +2,32 @@
 ``pages_per_block`` pages, each tile of query rows reading its own sequence's
 pages through the page table, one block at a time.
 
-Rows are grouped into tiles of ``rows_per_tile`` consecutive rows of one
-sequence (a sequence's last tile may be partial), so a prefill chunk gathers
-each block of its pages once per tile, not once per row, and its logits are
-matmuls of ``rows_per_tile * group`` rows per kv head. A batch of decode steps
-only (every counted sequence has at most one row) runs tiles of one row
-instead (a ``cond`` at run time), so no tile computes padding rows.
+Tiles come in two kinds, cut from the batch at run time. A decode step (a
+sequence with one row) is a tile of one row; the rows of a prefill chunk (a
+sequence with more) go in tiles of ``rows_per_tile`` consecutive rows of that
+sequence (its last tile may be partial), so a chunk gathers each block of its
+pages once per tile, not once per row, and its logits are matmuls of
+``rows_per_tile * group`` rows per kv head. No decode step pays for a chunk's
+padding rows. A call made with ``max_q_len=1`` compiles the decode kind only.
 
-Each iteration gathers one block of pages per tile, ``[tiles,
-pages_per_block * page_size, Hkv, D]``: temporary memory follows the rows, the
-sequences and the block, never the pool (``num_pages``) nor the table's width.
-The loop runs from the first block any counted row sees to the last (a
-``while_loop`` with bounds read from the batch at run time), so a step of short
-sequences reads few blocks whatever the table's width; a row outside its own
-range in an iteration is masked.
+Each kind runs as a loop over groups of ``tiles_per_group`` tiles, only as
+many groups as the batch has tiles of that kind (a ``while_loop`` with a bound
+read at run time); within a group, a loop over the blocks that group's own
+rows see, from the first to the last. Chunk tiles run in order (a chunk's
+tiles side by side); decode tiles run sorted by key length, so a group holds
+steps of like lengths and a short step does not run to the longest
+sequence's last block. A row outside its own range in a group's iteration is
+masked.
+
+Each iteration gathers one block of pages per tile of the group,
+``[tiles_per_group, pages_per_block * page_size, Hkv, D]``: temporary memory
+follows the rows, the sequences, the group and the block, never the pool
+(``num_pages``) nor the table's width.
 
 Garbage (NaN, Inf) in pages no row may see, past ``kv_lens``, behind table
 entries past a sequence's last page, or in padding rows is selected away
-(``where``), never multiplied by a zero weight.
+(``where``), never multiplied by a zero weight; a padding row's output is never
+written (its scatter index is out of range and dropped), so it stays zero.
 """
 
 from __future__ import annotations
@@ -28,70 +36,103 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from attn_backends import KVCache, PagedBatch, PagedCall
-from attn_backends.authoring import paged_rows
 from jax import lax
 
 from ._config import PagedConfig
 
 
 class _Tiles(NamedTuple):
-    """Tiles of query rows: tile i holds rows ``row[i]`` of sequence ``seq[i]``.
+    """Tiles of one kind in the order they run: tile i holds ``rows[i]`` rows of
+    sequence ``seq[i]`` from query row ``start[i]`` (each int32 ``[n]``); the
+    first ``count`` (int32 ``[]``) tiles are live, the rest hold nothing."""
 
-    ``seq`` int32 ``[n]``; ``row``, ``pos`` (each row's key position) int32 and
-    ``owned`` bool ``[n, rows_per_tile]``; ``of_row``, ``slot_of_row`` int32
-    ``[T]``: where each query row's output sits; ``row_owned`` bool ``[T]``.
-    """
+    seq: Any
+    start: Any
+    rows: Any
+    count: Any
+
+
+class _Group(NamedTuple):
+    """One group's tiles: ``seq`` int32 ``[G]``; ``row`` (query row, clipped),
+    ``pos`` (its key position) int32 and ``owned`` bool ``[G, size]``."""
 
     seq: Any
     row: Any
     owned: Any
     pos: Any
-    of_row: Any
-    slot_of_row: Any
-    row_owned: Any
 
 
-def _tiles(batch: PagedBatch, rows: int, size: int) -> _Tiles:
-    """The batch's rows cut into tiles of ``size`` rows, none across sequences."""
-    cu, kv_lens = batch.cu_q_lens, batch.kv_lens
-    seqs = kv_lens.shape[0]
-    # Entries past num_seqs may be anything: such sequences get no tile.
-    counted = jnp.arange(seqs) < batch.num_seqs
-    q_lens = jnp.where(counted, jnp.maximum(cu[1:] - cu[:-1], 0), 0)
-    ends = jnp.cumsum(-(-q_lens // size))
-    starts = ends - -(-q_lens // size)
-    # Each sequence's tiles hold its rows with at most one partial tile.
-    count = min(rows, -(-rows // size) + seqs)
-    tile = jnp.arange(count)
-    seq = jnp.clip(jnp.searchsorted(ends, tile, side="right"), 0, seqs - 1)
-    row = (cu[seq] + (tile - starts[seq]) * size)[:, None] + jnp.arange(size)
-    owned = (tile < ends[-1])[:, None] & (row < cu[seq + 1][:, None])
-    pos = (kv_lens[seq] - q_lens[seq] - cu[seq])[:, None] + row
-    row_seq, row_owned, _ = paged_rows(batch, rows)
-    within = jnp.arange(rows) - cu[row_seq]
-    of_row = jnp.clip(starts[row_seq] + within // size, 0, count - 1)
-    return _Tiles(seq, jnp.clip(row, 0, rows - 1), owned, pos, of_row, within % size, row_owned)
+def _q_lens(batch: PagedBatch) -> Any:
+    """Rows of each sequence, int32 ``[S]``; 0 for entries past ``num_seqs``
+    (which may hold anything)."""
+    counted = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs
+    return jnp.where(counted, jnp.maximum(batch.cu_q_lens[1:] - batch.cu_q_lens[:-1], 0), 0)
+
+
+def _chunk_tiles(batch: PagedBatch, q_lens: Any, size: int, n: int) -> _Tiles:
+    """Sequences of more than one row cut into tiles of ``size`` rows, in order."""
+    per_seq = jnp.where(q_lens > 1, -(-q_lens // size), 0)
+    ends = jnp.cumsum(per_seq)
+    tile = jnp.arange(n)
+    seq = jnp.clip(jnp.searchsorted(ends, tile, side="right"), 0, q_lens.shape[0] - 1)
+    start = batch.cu_q_lens[seq] + (tile - (ends - per_seq)[seq]) * size
+    return _Tiles(seq, start, jnp.clip(batch.cu_q_lens[seq + 1] - start, 0, size), ends[-1])
+
+
+def _decode_tiles(batch: PagedBatch, q_lens: Any) -> _Tiles:
+    """One tile per sequence of one row, longest keys first."""
+    decode = q_lens == 1
+    # Stable sort: non-decode sequences (key -1) go last, past ``count``.
+    seq = jnp.argsort(-jnp.where(decode, batch.kv_lens, -1), stable=True).astype(jnp.int32)
+    return _Tiles(seq, batch.cu_q_lens[seq], jnp.ones_like(seq), jnp.sum(decode))
 
 
 def paged_attention(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
                     config: PagedConfig) -> Any:
     """q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` (q's dtype); rows no sequence owns: zeros."""
-    rows = q.shape[0]
-    if rows == 0 or batch.kv_lens.shape[0] == 0:
-        return jnp.zeros_like(q)
+    rows, seqs = q.shape[0], batch.kv_lens.shape[0]
+    out = jnp.zeros_like(q)
+    if rows == 0 or seqs == 0:
+        return out
+    q_lens = _q_lens(batch)
+    out = _run(call, q, cache, batch, config, q_lens, _decode_tiles(batch, q_lens), 1, out)
+    if call.max_q_len == 1 or rows == 1:
+        return out
     size = min(config.rows_per_tile, rows)
-    if size == 1 or call.max_q_len == 1:
-        return _attend(call, q, cache, batch, config, 1)
-    counted = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs
-    longest = jnp.max(jnp.where(counted, batch.cu_q_lens[1:] - batch.cu_q_lens[:-1], 0))
-    return lax.cond(longest <= 1, lambda: _attend(call, q, cache, batch, config, 1),
-                    lambda: _attend(call, q, cache, batch, config, size))
+    # A sequence of q_len rows (q_len >= 2) has ceil(q_len / size) tiles, at most
+    # q_len / size + 1: with q_lens summing to at most T, at most ceil(T / size)
+    # + min(S, T // 2) tiles.
+    n = min(rows, -(-rows // size) + min(seqs, rows // 2))
+    chunks = _chunk_tiles(batch, q_lens, size, n)
+    return _run(call, q, cache, batch, config, q_lens, chunks, size, out)
+
+
+def _run(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: PagedConfig,
+         q_lens: Any, tiles: _Tiles, size: int, out: Any) -> Any:
+    """``out`` with the rows of ``tiles`` (tiles of ``size`` rows) written, group
+    by group; ``q_lens`` int32 ``[S]`` from :func:`_q_lens`."""
+    rows, n = q.shape[0], tiles.seq.shape[0]
+    width = min(config.tiles_per_group, n)
+
+    def one_group(g: Any, out: Any) -> Any:
+        index = g * width + jnp.arange(width)
+        tile = jnp.minimum(index, n - 1)
+        seq = tiles.seq[tile]
+        row = tiles.start[tile][:, None] + jnp.arange(size)
+        owned = (index < tiles.count)[:, None] & (jnp.arange(size) < tiles.rows[tile][:, None])
+        row = jnp.clip(row, 0, rows - 1)
+        pos = (batch.kv_lens[seq] - q_lens[seq] - batch.cu_q_lens[seq])[:, None] + row
+        part = _attend(call, q, cache, batch, config, _Group(seq, row, owned, pos))
+        # Each owned row sits in exactly one tile; unowned slots go out of range.
+        return out.at[jnp.where(owned, row, rows)].set(part.astype(q.dtype), mode="drop")
+
+    return lax.fori_loop(0, -(-tiles.count // width), one_group, out)
 
 
 def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: PagedConfig,
-            size: int) -> Any:
-    """:func:`paged_attention` over tiles of ``size`` rows."""
-    rows = q.shape[0]
+            tiles: _Group) -> Any:
+    """One group of tiles ``[G, size]`` -> its rows' outputs ``[G, size, Hq, D]``
+    (the accumulation dtype; unowned rows: anything finite)."""
     k_pages, v_pages = cache.arrays
     wide = jnp.dtype(call.accumulation_dtype)
     width = batch.page_table.shape[1]
@@ -99,13 +140,12 @@ def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: 
     # columns again.
     per_block = min(config.pages_per_block, width)
     block_keys = per_block * call.page_size
-    tiles = _tiles(batch, rows, size)
-    count = tiles.seq.shape[0]
+    count, size = tiles.row.shape
     kv_len = batch.kv_lens[tiles.seq]
     live = tiles.owned.any(-1)
     first = jnp.zeros_like(tiles.pos) if call.window is None else tiles.pos - call.window[0]
     first = jnp.maximum(first, 0)
-    # Blocks [lo, hi) hold every key a counted row sees; none if no row is owned.
+    # Blocks [lo, hi) hold every key the group's rows see; none if no row is owned.
     lo = jnp.min(jnp.where(tiles.owned, first // block_keys, jnp.iinfo(jnp.int32).max))
     hi = jnp.max(jnp.where(tiles.owned, tiles.pos // block_keys + 1, 0))
     qg = jnp.where(tiles.owned[..., None, None], q[tiles.row], 0).astype(wide)
@@ -151,6 +191,4 @@ def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: 
              jnp.zeros((*shape, call.head_dim), wide))
     _, _, total, acc = lax.while_loop(lambda s: s[0] < hi, body, state)
     out = acc / jnp.where(total > 0, total, 1)[..., None]
-    out = out.transpose(0, 2, 1, 3, 4).reshape(count, size, call.q_heads, call.head_dim)
-    out = jnp.where(tiles.row_owned[:, None, None], out[tiles.of_row, tiles.slot_of_row], 0)
-    return out.astype(q.dtype)
+    return out.transpose(0, 2, 1, 3, 4).reshape(count, size, call.q_heads, call.head_dim)

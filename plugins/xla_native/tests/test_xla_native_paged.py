@@ -3,8 +3,9 @@ case set against the float64 oracle (tests/_paged_support.py's
 :class:`PagedCases`) with blocks of 2 pages, so sequences cross several blocks
 and a block several pages, with tiles of 2 rows, so prefill chunks span several
 tiles, in groups of 2 and 3 tiles (several groups of each kind of tile, decode
-steps far shorter than a chunk beside them), and with its defaults; selection
-on cpu; and temporary memory that does not grow with the pool.
+steps far shorter than a chunk beside them); selection on cpu; and temporary
+memory that does not grow with the pool. Its defaults run the suite's paged
+family in ``make test``'s certification of xla_native, on both jax lines.
 """
 
 from __future__ import annotations
@@ -26,20 +27,9 @@ class TestXlaNativePagedSmallBlocks(PagedCases):
     options = PagedConfig(pages_per_block=2)
 
 
-class TestXlaNativePagedDefaultBlocks(PagedCases):
-    backend = "xla_native"
-
-
-class TestXlaNativePagedTwoRowTiles(PagedCases):
-    """Tiles of 2 rows: every prefill chunk of the case set spans several tiles,
-    most ending in a partial one."""
-
-    backend = "xla_native"
-    options = PagedConfig(pages_per_block=2, rows_per_tile=2)
-
-
 class TestXlaNativePagedGroupsOfTwo(PagedCases):
-    """Groups of 2 tiles of 2 rows: a batch of the case set with more than two
+    """Groups of 2 tiles of 2 rows: every prefill chunk of the case set spans
+    several tiles, most ending in a partial one, and a batch with more than two
     tiles of a kind runs several groups of it, many ending in a partial one."""
 
     backend = "xla_native"

@@ -23,7 +23,10 @@ size 16, GQA 32:8, D=128, float32, pages handed out in a random order.
    least a decode step computes as XLA compiles it: two einsums and a softmax
    over the whole contiguous cache, no lengths, no mask (not attention: its
    output is not checked); its fraction, of the whole cache's bytes, is about
-   what any plain-XLA decode step can reach on this machine.
+   what a plain-XLA decode step can reach on this machine in the contract's
+   ``[S, L, Hkv, D]`` layout. ``einsum_ceiling_heads_first`` is the same over
+   the cache transposed to ``[S, Hkv, L, D]`` beforehand (the transpose not
+   timed): what a layout with each head's keys contiguous would allow.
 2. Mixed batch: one 512-token prefill chunk (the last 512 positions of
    sequence 0) plus 31 decode steps, paged in one call, against the prefill
    (q ``[1, 512, 32, 128]`` against sequence 0's own contiguous cache,
@@ -149,13 +152,16 @@ def contiguous_attend(q: Any, k: Any, v: Any, lengths: Any, causal: bool = True)
 
 
 
-def einsum_ceiling(q: Any, k: Any, v: Any) -> Any:
-    """q ``[S, Hq, D]``, k and v ``[S, L, Hkv, D]`` -> ``[S, Hq, D]``: softmax(q k^T) v
-    over every key, unmasked and unscaled (the floor of a decode step's work)."""
+def einsum_ceiling(q: Any, k: Any, v: Any, heads_first: bool = False) -> Any:
+    """q ``[S, Hq, D]``, k and v ``[S, L, Hkv, D]`` (``heads_first``: ``[S, Hkv, L,
+    D]``) -> ``[S, Hq, D]``: softmax(q k^T) v over every key, unmasked and
+    unscaled (the floor of a decode step's work)."""
     s, hq, d = q.shape
-    qg = q.reshape(s, k.shape[2], hq // k.shape[2], d)
-    weights = jax.nn.softmax(jnp.einsum("shgd,slhd->shgl", qg, k), axis=-1)
-    return jnp.einsum("shgl,slhd->shgd", weights, v).reshape(s, hq, d)
+    hkv = k.shape[1 if heads_first else 2]
+    qg = q.reshape(s, hkv, hq // hkv, d)
+    keys = "shld" if heads_first else "slhd"
+    weights = jax.nn.softmax(jnp.einsum(f"shgd,{keys}->shgl", qg, k), axis=-1)
+    return jnp.einsum(f"shgl,{keys}->shgd", weights, v).reshape(s, hq, d)
 
 
 def _stats(times: list[float]) -> dict[str, float]:
@@ -188,14 +194,18 @@ def decode_bench(shape: Shape, pool: Pool, args: argparse.Namespace) -> dict[str
     err = _check_close("decode", paged_fn(q, cache, batch), dense_fn(dense_q, k, v, lengths)[:, 0])
     runs = {"sum": sum_run(*cache.arrays), "paged": _timed(paged_fn, q, cache, batch),
             "contiguous": _timed(dense_fn, dense_q, k, v, lengths),
-            "einsum_ceiling": _timed(jax.jit(einsum_ceiling), q, k, v)}
+            "einsum_ceiling": _timed(jax.jit(einsum_ceiling), q, k, v),
+            "einsum_ceiling_heads_first": _timed(
+                jax.jit(lambda q, k, v: einsum_ceiling(q, k, v, heads_first=True)), q,
+                *(jax.block_until_ready(x.transpose(0, 2, 1, 3)) for x in (k, v)))}
     times = in_rounds(runs, args.reps, args.rounds)
     result = {name: _stats(t) for name, t in times.items()}
     pool_bytes = sum(x.nbytes for x in cache.arrays)
     gbps = pool_bytes / (result["sum"]["median_ms"] / 1e3) / 1e9
     result["sum"]["gb_per_s"] = gbps
     read = {"paged": pool.live_bytes, "contiguous": pool.live_bytes,
-            "einsum_ceiling": k.nbytes + v.nbytes}
+            "einsum_ceiling": k.nbytes + v.nbytes,
+            "einsum_ceiling_heads_first": k.nbytes + v.nbytes}
     for name, nbytes in read.items():
         rate = nbytes / (result[name]["median_ms"] / 1e3) / 1e9
         result[name]["bandwidth_fraction"] = rate / gbps
@@ -279,7 +289,9 @@ def report(result: dict[str, Any]) -> str:
         f"| {d['paged_speed_vs_contiguous']:.2f}x |", "",
         f"einsum ceiling (whole contiguous cache, unmasked): "
         f"{d['einsum_ceiling']['median_ms']:.1f} ms, "
-        f"{100 * d['einsum_ceiling']['bandwidth_fraction']:.0f}% of bandwidth", "",
+        f"{100 * d['einsum_ceiling']['bandwidth_fraction']:.0f}% of bandwidth; "
+        f"heads first: {d['einsum_ceiling_heads_first']['median_ms']:.1f} ms, "
+        f"{100 * d['einsum_ceiling_heads_first']['bandwidth_fraction']:.0f}%", "",
         "| mixed batch | timed runs | paged ms | prefill + decode dense ms | paged speed / dense |",
         "|---|---|---|---|---|",
         f"| {m['prefill_rows']} + {m['decode_rows']} rows | {m['paged']['timed_runs']} "

@@ -18,10 +18,11 @@ def test_quick_run_reports_decode_mixed_and_memory():
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     decode, mixed, memory = result["decode"], result["mixed"], result["memory"]
-    for name in ("sum", "paged", "contiguous", "einsum_ceiling"):
+    ceilings = ("einsum_ceiling", "einsum_ceiling_heads_first")
+    for name in ("sum", "paged", "contiguous", *ceilings):
         assert decode[name]["median_ms"] > 0 and decode[name]["timed_runs"] == 2
     assert decode["sum"]["gb_per_s"] > 0
-    for name in ("paged", "contiguous", "einsum_ceiling"):
+    for name in ("paged", "contiguous", *ceilings):
         assert decode[name]["bandwidth_fraction"] > 0
     assert decode["paged_speed_vs_contiguous"] == (
         decode["contiguous"]["median_ms"] / decode["paged"]["median_ms"])

@@ -109,6 +109,13 @@ def test_a_case_check_paged_declines_is_skipped_with_its_reason(tmp_path: Path) 
     assert cert["cases"] == {"run": 2, "passed": 1, "failed": 0, "skipped": 1}
 
 
+def _call(case: Any) -> Any:
+    """The case's PagedCall, bound as ``get_paged`` binds it (no registry, no probe)."""
+    from attn_backends.contract.paged_bind import bind_paged
+
+    return bind_paged(**case.call_args())
+
+
 def test_a_case_the_manifest_declines_here_runs_as_its_decode_step() -> None:
     """A manifest serving only bfloat16 decode steps on cpu (flash_pallas' emulated
     kernel): each declined case becomes its decode step in bfloat16; a same_seq case,
@@ -125,8 +132,7 @@ def test_a_case_the_manifest_declines_here_runs_as_its_decode_step() -> None:
                                                   window=True, softcap=True,
                                                   dtypes={"float32", "bfloat16"})
     cases = paged_cases.paged_cases_for(backend) + paged_cases.paged_dtypes(backend)
-    served = paged_cases.as_served(cases, backend, "cpu", lambda c: ab.registry.explain_paged(
-        device="cpu", backend=None, **c.call_args()).call)
+    served = paged_cases.as_served(cases, backend, "cpu", _call)
     by_id = {c.id: c for c in served}
     mixed = next(c for c in cases if c.name == "mixed" and c.dtype == "float32")
     step = by_id["paged-mixed-as-decode-bfloat16"]
@@ -141,5 +147,4 @@ def test_a_case_the_manifest_declines_here_runs_as_its_decode_step() -> None:
     assert not [c for c in served if c.kind != "same_seq" and c.window is None
                 and not c.name.endswith("-as-decode")]
     # Where the manifest serves every case, nothing changes.
-    assert paged_cases.as_served(cases, backend, "tpu", lambda c: ab.registry.explain_paged(
-        device="cpu", backend=None, **c.call_args()).call) == cases
+    assert paged_cases.as_served(cases, backend, "tpu", _call) == cases

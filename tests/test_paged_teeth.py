@@ -1,6 +1,6 @@
 """The paged family and the paged probe have teeth: mutants of xla_native's paged
-kernel (and of core's canonical write, which reference and xla_native both use)
-fail ``attn-backends check xla_native`` and the paged probe; the unmutated code
+kernel (and of core's heads_first write, which xla_native, flash_triton and
+flash_pallas' decode path use) fail ``attn-backends check xla_native`` and the paged probe; the unmutated code
 passes both.
 
 Each mutant is one small source edit of one function, applied in a fresh
@@ -74,11 +74,12 @@ MUTANTS = {
     "last_group_skipped": (
         [(_KERNEL, "_run", "lax.fori_loop(0, -(-tiles.count // width), one_group, out)",
           "lax.fori_loop(0, tiles.count // width, one_group, out)")],
-        "test_paged_matches_oracle and paged-mixed-float32", "paged-mixed-",
+        # One decode step beside a chunk: a partial last group for any group size.
+        "test_paged_matches_oracle and paged-kv5-float32", "paged-kv5-",
         "probe: out "),
     "padding_slot_written": (
         # Negative slots wrap around in .at[]: the padding token lands in the last slots.
-        [("attn_backends.contract.paged", "canonical_write",
+        [("attn_backends.contract.heads_first", "write",
           "where = jnp.where(slots < 0, flat, slots)", "where = slots")],
         "test_paged_write and float32", "paged-store-float32", "probe: write left K wrong"),
 }

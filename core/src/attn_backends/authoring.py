@@ -14,6 +14,10 @@ subclass with a :class:`attn_backends.Capabilities` manifest either way.
 - :class:`InterpretSwitch`: the on/off switch (an environment variable and a
   context manager) for a kernel that can run emulated on cpu, and the manifest
   that serves cpu only while it is on.
+- :mod:`heads_first` and :class:`HeadsFirstPagedBackend`: the ``heads_first``
+  paged cache layout (K and V each ``[Hkv, num_pages, page_size, D]``): its
+  exact conversions to and from the canonical view, ``init_cache`` and
+  ``write``, and the ``PagedBackend`` whose every cache is in it.
 - :func:`dropout_seed`, :func:`dropout_keep_at` and :func:`dropout_keep`: one
   counter-based rule for attention dropout's keep-mask, so a tiled kernel
   draws each tile's bits from the key and the tile's positions (forward and
@@ -31,14 +35,17 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
+from .contract import heads_first
 from .contract.call import FEATURES, AttentionCall
 from .contract.capabilities import Capabilities
 from .contract.environment import env_flag
 from .contract.errors import UnsupportedError
+from .contract.heads_first import HeadsFirstPagedBackend
 from .contract.paged import PagedCapabilities, canonical_write
 
 __all__ = [
     "UNKNOWN_VERSION",
+    "HeadsFirstPagedBackend",
     "InterpretSwitch",
     "SwitchedManifest",
     "canonical_write",
@@ -46,6 +53,7 @@ __all__ = [
     "dropout_keep",
     "dropout_keep_at",
     "dropout_seed",
+    "heads_first",
     "manifest",
     "paged_rows",
     "refuse",

@@ -39,7 +39,7 @@ class TestFlashPallasPagedDecode(PagedCases):
     options = RaggedBlockSizes(kv_pages_per_block=2)
     page_size = 16
     head_dim = 128
-    layout = _paged_decode.LAYOUT
+    layout = "heads_first"
     float64 = False
     dtype = "bfloat16"
     max_q_len = 1

@@ -24,6 +24,7 @@ from attn_backends.oracle import paged_attention as oracle
 
 class TestXlaNativePagedSmallBlocks(PagedCases):
     backend = "xla_native"
+    layout = "heads_first"
     options = PagedConfig(pages_per_block=2)
 
 
@@ -33,6 +34,7 @@ class TestXlaNativePagedGroupsOfTwo(PagedCases):
     tiles of a kind runs several groups of it, many ending in a partial one."""
 
     backend = "xla_native"
+    layout = "heads_first"
     options = PagedConfig(pages_per_block=2, rows_per_tile=2, tiles_per_group=2)
 
     def test_decode_steps_far_shorter_than_the_chunk(self) -> None:
@@ -53,6 +55,7 @@ class TestXlaNativePagedDecodeOnlyGroups(PagedCases):
     """``max_q_len=1`` (only the decode kind compiled) in groups of 3 tiles."""
 
     backend = "xla_native"
+    layout = "heads_first"
     options = PagedConfig(pages_per_block=2, tiles_per_group=3)
     max_q_len = 1
 

@@ -1,7 +1,8 @@
 """Decode-only paged calls (``max_q_len == 1``, bfloat16) through JAX's TPU
 paged attention kernel, ``jax.experimental.pallas.ops.tpu.paged_attention``, on
-the cache layout :data:`LAYOUT` (``"heads_first"``: K and V each ``[Hkv,
-num_pages, page_size, D]``, the kernel's own), which it reads as it lies.
+core's ``heads_first`` cache layout (``attn_backends.authoring.heads_first``: K
+and V each ``[Hkv, num_pages, page_size, D]``, the kernel's own), which it reads
+as it lies.
 
 Why this path for decode steps (a design reason, not a TPU measurement): the
 kernel walks one kv head's pages once for all the query heads of its group, one
@@ -66,8 +67,6 @@ from attn_backends.authoring import paged_rows
 
 from ._interpret import SWITCH
 
-#: The cache layout's name: K and V each ``[Hkv, num_pages, page_size, D]``.
-LAYOUT = "heads_first"
 #: A masked logit at most this large adds exactly zero: ``x + mask_value`` is
 #: then below ``-2e38``, whose exp underflows against any real row maximum.
 LOGIT_BOUND = 1e30
@@ -84,44 +83,6 @@ def declines(call: PagedCall) -> list[str]:
     if call.window is not None:
         reasons.append("window: JAX's paged_attention always starts at key 0")
     return reasons
-
-
-def from_canonical(call: PagedCall, k_pages: Any, v_pages: Any) -> KVCache:
-    """K and V ``[num_pages, page_size, Hkv, D]`` -> ``[Hkv, num_pages, page_size, D]`` each."""
-    arrays = tuple(x.transpose(2, 0, 1, 3) for x in (k_pages, v_pages))
-    return KVCache(arrays, LAYOUT, call.page_size, k_pages.shape[0])
-
-
-def to_canonical(call: PagedCall, cache: KVCache) -> tuple[Any, Any]:
-    """The cache's K and V, ``[num_pages, page_size, Hkv, D]`` each (exact)."""
-    k, v = (x.transpose(1, 2, 0, 3) for x in cache.arrays)
-    return k, v
-
-
-def init_cache(call: PagedCall, num_pages: int) -> KVCache:
-    """Zero-filled K and V ``[Hkv, num_pages, page_size, D]``."""
-    import jax.numpy as jnp
-
-    shape = (call.kv_heads, num_pages, call.page_size, call.head_dim)
-    return KVCache(tuple(jnp.zeros(shape, call.dtype) for _ in range(2)), LAYOUT,
-                   call.page_size, num_pages)
-
-
-def write(call: PagedCall, cache: KVCache, k: Any, v: Any, slots: Any) -> KVCache:
-    """k, v ``[T, Hkv, D]`` scattered into their slots ``[T]``; a negative slot
-    writes nothing. Each of K and V is viewed as ``[Hkv, num_pages * page_size, D]``
-    (merging two adjacent axes: no copy) and the tokens scattered into it."""
-    import jax.numpy as jnp
-
-    flat = cache.num_pages * call.page_size
-    # A negative index would wrap around in .at[]; one past the end is dropped.
-    where = jnp.where(slots < 0, flat, slots)
-    arrays = []
-    for pool, new in zip(cache.arrays, (k, v), strict=True):
-        rows = pool.reshape(call.kv_heads, flat, call.head_dim)
-        rows = rows.at[:, where].set(new.swapaxes(0, 1).astype(pool.dtype), mode="drop")
-        arrays.append(rows.reshape(pool.shape))
-    return KVCache(tuple(arrays), LAYOUT, cache.page_size, cache.num_pages)
 
 
 def _kernel(call: PagedCall, q: Any, k: Any, v: Any, lengths: Any, table: Any,

@@ -23,6 +23,7 @@ from attn_backends import (
 from attn_backends.authoring import (
     SwitchedManifest,
     distribution_version,
+    heads_first,
     manifest,
     resolve_options,
 )
@@ -146,7 +147,7 @@ class FlashPallasBackend(Backend, PagedBackend):
         return not _paged_decode.declines(call)
 
     def _layout(self, call: PagedCall) -> Any:
-        return _paged_decode if self._decodes(call) else _paged
+        return heads_first if self._decodes(call) else _paged
 
     def cache_layout(self, call: PagedCall) -> str:
         """``"heads_first"`` for calls the decode kernel serves, else ``"kv_combined"``."""

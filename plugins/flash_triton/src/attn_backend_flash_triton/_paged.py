@@ -38,10 +38,10 @@ import, silenced here as for the dense kernel):
 
 **The mapping** (what this module adds):
 
-- The cache layout is the kernel's own, ``heads_first``: K and V each ``[Hkv,
-  num_pages, page_size, D]``; ``write`` scatters straight into it (the pool
-  seen as ``[Hkv, num_pages * page_size, D]``, a free reshape); nothing
-  transposes or copies the pool per call.
+- The cache layout is the kernel's own, core's ``heads_first``
+  (``attn_backends.authoring.heads_first``): K and V each ``[Hkv, num_pages,
+  page_size, D]``; ``write`` scatters straight into it; nothing transposes or
+  copies the pool per call.
 - Ragged batches (prefill chunks too): every query row is its own kernel
   sequence, whose keys are positions ``0 .. pos`` (``pos`` the row's position)
   through its sequence's table row: exact for causal attention, and the
@@ -77,8 +77,6 @@ from attn_backends.authoring import paged_rows
 
 from ._config import TritonPagedBlocks
 
-#: The backend's cache layout: K and V each ``[Hkv, num_pages, page_size, D]``.
-LAYOUT = "heads_first"
 #: The kernel's pallas_call name (in the Triton custom call's config on gpu).
 KERNEL_NAME = "flash_triton_paged"
 
@@ -91,38 +89,6 @@ def kernel_module() -> Any:
         from jax.experimental.pallas.ops.gpu import paged_attention
 
     return paged_attention
-
-
-def from_canonical(call: PagedCall, k_pages: Any, v_pages: Any) -> KVCache:
-    """Canonical ``[num_pages, page_size, Hkv, D]`` K and V as a ``heads_first`` cache."""
-    import jax.numpy as jnp
-
-    arrays = tuple(jnp.transpose(x, (2, 0, 1, 3)) for x in (k_pages, v_pages))
-    return KVCache(arrays, LAYOUT, call.page_size, k_pages.shape[0])
-
-
-def to_canonical(cache: KVCache) -> tuple[Any, Any]:
-    """A ``heads_first`` cache's K and V as ``[num_pages, page_size, Hkv, D]``."""
-    import jax.numpy as jnp
-
-    k, v = (jnp.transpose(x, (1, 2, 0, 3)) for x in cache.arrays)
-    return k, v
-
-
-def write(call: PagedCall, cache: KVCache, k: Any, v: Any, slots: Any) -> KVCache:
-    """k, v ``[T, Hkv, D]`` scattered into the ``heads_first`` pool at ``slots``;
-    a negative slot writes nothing."""
-    import jax.numpy as jnp
-
-    flat = cache.num_pages * call.page_size
-    # A negative index would wrap around in .at[]; one past the end is dropped.
-    where = jnp.where(slots < 0, flat, slots)
-    out = []
-    for pages, new in zip(cache.arrays, (k, v), strict=True):
-        rows = pages.reshape(call.kv_heads, flat, call.head_dim)
-        rows = rows.at[:, where].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop")
-        out.append(rows.reshape(pages.shape))
-    return KVCache(tuple(out), cache.layout, cache.page_size, cache.num_pages)
 
 
 def _kernel_partials(call: PagedCall, blocks: TritonPagedBlocks, splits: int,

@@ -14,12 +14,17 @@ from attn_backends import (
     HeadDims,
     KVCache,
     Operands,
-    PagedBackend,
     PagedBatch,
     PagedCall,
     PagedCapabilities,
 )
-from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
+from attn_backends.authoring import (
+    HeadsFirstPagedBackend,
+    distribution_version,
+    manifest,
+    refuse,
+    resolve_options,
+)
 
 from ._interpret import SWITCH, interpret_enabled
 
@@ -54,7 +59,7 @@ PAGED_MANIFEST = PagedCapabilities(
 )
 
 
-class FlashTritonBackend(Backend, PagedBackend):
+class FlashTritonBackend(Backend, HeadsFirstPagedBackend):
     """``mha`` from ``jax.experimental.pallas.ops.gpu.attention`` (Pallas Triton), BTNH.
 
     ``options``: a :class:`TritonBlockSizes`, or None for
@@ -116,28 +121,6 @@ class FlashTritonBackend(Backend, PagedBackend):
             return None
         return smallest
 
-
-    def cache_layout(self, call: PagedCall) -> str:
-        """``heads_first``: K and V each ``[Hkv, num_pages, page_size, D]``, the kernel's."""
-        from ._paged import LAYOUT
-
-        return LAYOUT
-
-    def from_canonical(self, call: PagedCall, k_pages: Any, v_pages: Any) -> KVCache:
-        from ._paged import from_canonical
-
-        return from_canonical(call, k_pages, v_pages)
-
-    def to_canonical(self, call: PagedCall, cache: KVCache) -> tuple[Any, Any]:
-        from ._paged import to_canonical
-
-        return to_canonical(cache)
-
-    def write(self, call: PagedCall, cache: KVCache, k: Any, v: Any, slots: Any) -> KVCache:
-        """k, v ``[T, Hkv, D]`` scattered straight into the heads-first pool at ``slots``."""
-        from ._paged import write
-
-        return write(call, cache, k, v, slots)
 
     def attend_paged(self, call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
                      options: Any = None) -> Any:

@@ -92,10 +92,11 @@ _BLOCK_KEYS = 128
 #: of pages serves them all.
 _ROWS_PER_TILE = 16
 #: Tiles one loop step runs side by side: few enough that a group's tiles share
-#: a key range (its loop runs to the longest of them). On cpu, the benchmark's
-#: decode step and mixed batch ran about as fast with 1, 2 or 4 and 13-55%
-#: slower with 8 or 32 (BENCHMARKS.md, "Paged attention").
-_TILES_PER_GROUP = 4
+#: a key range (its loop runs to the longest of them) and a group's block of
+#: keys stays in cache. On cpu, in the heads_first layout, the benchmark's
+#: decode step ran as fast with groups of 1 or 2 and 29% slower with 4, its
+#: mixed batch fastest with 2 (BENCHMARKS.md, "Paged attention").
+_TILES_PER_GROUP = 2
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,15 @@ steps of like lengths and a short step does not run to the longest
 sequence's last block. A row outside its own range in a group's iteration is
 masked.
 
+The cache is ``heads_first`` (K and V each ``[Hkv, num_pages, page_size, D]``,
+core's layout): each kv head's pages are one pool, so a block of one head's
+keys is whole runs of ``page_size * D`` values and both products are batched
+over (kv head, tile) with nothing transposed. In the canonical layout (heads
+inside each position) the same kernel read a third of the bandwidth
+(BENCHMARKS.md, "Paged attention").
+
 Each iteration gathers one block of pages per tile of the group,
-``[tiles_per_group, pages_per_block * page_size, Hkv, D]``: temporary memory
+``[Hkv, tiles_per_group, pages_per_block * page_size, D]``: temporary memory
 follows the rows, the sequences, the group and the block, never the pool
 (``num_pages``) nor the table's width.
 
@@ -132,7 +139,13 @@ def _run(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: Pag
 def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: PagedConfig,
             tiles: _Group) -> Any:
     """One group of tiles ``[G, size]`` -> its rows' outputs ``[G, size, Hq, D]``
-    (the accumulation dtype; unowned rows: anything finite)."""
+    (the accumulation dtype; unowned rows: anything finite).
+
+    Works heads first, as the cache lies: per kv head and tile, the ``size *
+    group`` query rows of the tile's rows and the head's query heads, against a
+    block of keys ``[Hkv, G, block_keys, D]`` gathered from the head's own pool,
+    so both products are batched over ``(Hkv, G)`` with nothing transposed.
+    """
     k_pages, v_pages = cache.arrays
     wide = jnp.dtype(call.accumulation_dtype)
     width = batch.page_table.shape[1]
@@ -141,6 +154,7 @@ def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: 
     per_block = min(config.pages_per_block, width)
     block_keys = per_block * call.page_size
     count, size = tiles.row.shape
+    heads, group, dim = call.kv_heads, call.group, call.head_dim
     kv_len = batch.kv_lens[tiles.seq]
     live = tiles.owned.any(-1)
     first = jnp.zeros_like(tiles.pos) if call.window is None else tiles.pos - call.window[0]
@@ -148,10 +162,12 @@ def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: 
     # Blocks [lo, hi) hold every key the group's rows see; none if no row is owned.
     lo = jnp.min(jnp.where(tiles.owned, first // block_keys, jnp.iinfo(jnp.int32).max))
     hi = jnp.max(jnp.where(tiles.owned, tiles.pos // block_keys + 1, 0))
+    # [G, size, Hq, D] -> [Hkv, G, size * group, D]: row r of a tile is (row, query head).
     qg = jnp.where(tiles.owned[..., None, None], q[tiles.row], 0).astype(wide)
-    qg = qg.reshape(count, size, call.kv_heads, call.group, call.head_dim)
+    qg = qg.reshape(count, size, heads, group, dim).transpose(2, 0, 1, 3, 4)
+    qg = qg.reshape(heads, count, size * group, dim)
     offsets = jnp.arange(block_keys)
-    shape = (count, call.kv_heads, size, call.group)
+    shape = (heads, count, size * group)
 
     def body(state: tuple[Any, ...]) -> tuple[Any, ...]:
         b, peak, total, acc = state
@@ -167,14 +183,16 @@ def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: 
         visible &= pos <= tiles.pos[..., None]
         visible &= pos >= first[..., None]
         keys, values = (
-            jnp.where(filled[:, :, None, None],
-                      x[pages].reshape(count, block_keys, call.kv_heads, call.head_dim), 0)
+            jnp.where(filled[None, :, :, None],
+                      x[:, pages].reshape(heads, count, block_keys, dim), 0)
             for x in (k_pages, v_pages))
-        logits = jnp.einsum("nqkgd,nlkd->nkqgl", qg, keys.astype(wide),
+        logits = jnp.einsum("hnrd,hnld->hnrl", qg, keys.astype(wide),
                             precision=lax.Precision.HIGHEST) * call.scale
         if call.softcap is not None:
             logits = call.softcap * jnp.tanh(logits / call.softcap)
-        mask = visible[:, None, :, None, :]
+        # [G, size, L] -> [1, G, size * group, L], row (row, query head) as in qg.
+        mask = jnp.broadcast_to(visible[:, :, None, :], (count, size, group, block_keys))
+        mask = mask.reshape(1, count, size * group, block_keys)
         logits = jnp.where(mask, logits, -jnp.inf)
         new_peak = jnp.maximum(peak, logits.max(-1))
         # A row that has seen nothing yet keeps peak -inf: shift by 0 instead,
@@ -184,11 +202,12 @@ def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: 
         rescale = jnp.exp(peak - shift)
         total = total * rescale + weights.sum(-1)
         acc = acc * rescale[..., None] + jnp.einsum(
-            "nkqgl,nlkd->nkqgd", weights, values.astype(wide), precision=lax.Precision.HIGHEST)
+            "hnrl,hnld->hnrd", weights, values.astype(wide), precision=lax.Precision.HIGHEST)
         return b + 1, new_peak, total, acc
 
     state = (lo, jnp.full(shape, -jnp.inf, wide), jnp.zeros(shape, wide),
-             jnp.zeros((*shape, call.head_dim), wide))
+             jnp.zeros((*shape, dim), wide))
     _, _, total, acc = lax.while_loop(lambda s: s[0] < hi, body, state)
     out = acc / jnp.where(total > 0, total, 1)[..., None]
-    return out.transpose(0, 2, 1, 3, 4).reshape(count, size, call.q_heads, call.head_dim)
+    out = out.reshape(heads, count, size, group, dim).transpose(1, 2, 0, 3, 4)
+    return out.reshape(count, size, call.q_heads, dim)

@@ -13,12 +13,12 @@ from attn_backends import (
     Backend,
     KVCache,
     Operands,
-    PagedBackend,
     PagedBatch,
     PagedCall,
     PagedCapabilities,
 )
 from attn_backends.authoring import (
+    HeadsFirstPagedBackend,
     distribution_version,
     dropout_keep,
     manifest,
@@ -31,7 +31,7 @@ from ._config import BlockConfig, PagedConfig
 _BLOCK_PLATFORMS = ("cpu", "gpu", "tpu")
 
 
-class XlaNativeBackend(Backend, PagedBackend):
+class XlaNativeBackend(Backend, HeadsFirstPagedBackend):
     """Blockwise attention in plain JAX (online softmax, recomputing custom VJP).
 
     Memory is linear in sequence length forward and backward; work follows
@@ -39,8 +39,9 @@ class XlaNativeBackend(Backend, PagedBackend):
     are skipped). ``options``: a :class:`BlockConfig`, or None for
     :meth:`BlockConfig.default_for`.
 
-    Paged calls too (:meth:`attend_paged`), on the canonical cache layout, blockwise
-    over pages; their ``options``: a :class:`PagedConfig`, or None for
+    Paged calls too (:meth:`attend_paged`), on the ``heads_first`` cache layout
+    (K and V each ``[Hkv, num_pages, page_size, D]``), blockwise over pages; their
+    ``options``: a :class:`PagedConfig`, or None for
     :meth:`PagedConfig.default_for`.
     """
 
@@ -58,7 +59,7 @@ class XlaNativeBackend(Backend, PagedBackend):
     hlo_marker = "xla_native_forward"
     # Any page size, head dim and batch shape (mixed prefill and decode), every
     # dtype as in the dense manifest (float64 in float64); init_cache, write and
-    # the canonical round trip are PagedBackend's canonical-layout defaults.
+    # the canonical round trip are core's heads_first layout's.
     paged_capabilities = PagedCapabilities(platforms=PLATFORMS, dtypes=CLAIMABLE_DTYPES,
                                            gqa=True, softcap=True, window=True,
                                            jax_versions=">=0.10,<0.13")

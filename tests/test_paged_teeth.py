@@ -1,7 +1,7 @@
 """The paged family and the paged probe have teeth: mutants of xla_native's paged
 kernel (and of core's heads_first write, which xla_native, flash_triton and
-flash_pallas' decode path use) fail ``attn-backends check xla_native`` and the paged probe; the unmutated code
-passes both.
+flash_pallas' decode path use) fail ``attn-backends check xla_native`` and the
+paged probe; the unmutated code passes both.
 
 Each mutant is one small source edit of one function, applied in a fresh
 subprocess before anything calls it (the function is recompiled from its edited

@@ -121,7 +121,6 @@ class FlashTritonBackend(Backend, HeadsFirstPagedBackend):
             return None
         return smallest
 
-
     def attend_paged(self, call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
                      options: Any = None) -> Any:
         """Paged attention through the Pallas GPU paged kernel; see

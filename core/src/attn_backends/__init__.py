@@ -13,6 +13,8 @@ from .contract.call import API_VERSION, FEATURES, AttentionCall, Operands, bind
 from .contract.capabilities import CLAIMABLE_DTYPES, DTYPES, PLATFORMS, Capabilities, HeadDims
 from .contract.environment import env_flag, platform_name
 from .contract.errors import (
+    AgreementError,
+    AgreementWarning,
     AttnBackendsError,
     AttnBackendsWarning,
     FallbackWarning,
@@ -42,6 +44,8 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FEATURES",
     "PLATFORMS",
+    "AgreementError",
+    "AgreementWarning",
     "Attention",
     "AttentionCall",
     "AttnBackendsError",

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .choose import registry as choosing
 from .choose.registry import Lazy
-from .choose.select import Probe, Tuning
+from .choose.select import Agree, Probe, Tuning
 
 if TYPE_CHECKING:
     from .choose.attention import ParallelLayer
@@ -33,6 +33,14 @@ def table_reader() -> Tuning:
     return TableReader()
 
 
+def host_agreement() -> Agree:
+    """Core's agreement across the processes of a multi-process run, built on
+    first use (only when ``jax.process_count() > 1``)."""
+    from .parallel.hosts import Hosts
+
+    return Hosts()
+
+
 def parallel_layer() -> ParallelLayer:
     """``attn_backends.parallel``, imported when a call first needs it."""
     from . import parallel
@@ -50,7 +58,9 @@ class Registry(choosing.Registry):
     float64 oracle once per verdict key, cached on disk: docs/DESIGN.md,
     "Probes"), None (no probes) or a callable
     ``probe(backend, call, platform, options) -> reasons``. Sharded inputs and
-    ``get(mesh=, spec=, sequence_axis=)`` are served by the parallel layer.
+    ``get(mesh=, spec=, sequence_axis=)`` are served by the parallel layer. In a
+    multi-process run every process agrees on each choice
+    (:class:`attn_backends.parallel.hosts.Hosts`; docs/MANY_CHIPS.md, "Many hosts").
     """
 
     def __init__(
@@ -72,7 +82,7 @@ class Registry(choosing.Registry):
             probe = Lazy(core_prober)
         super().__init__(plugins=plugins, autoload=autoload, strict=strict, only=only,
                          disable=disable, probe=probe, parallel=parallel_layer,
-                         tuning=Lazy(table_reader))
+                         tuning=Lazy(table_reader), agree=Lazy(host_agreement))
 
 
 #: The process-wide registry: ``attn_backends.registry.get(device="tpu")``.

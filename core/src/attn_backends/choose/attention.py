@@ -21,7 +21,9 @@ import jax
 
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, Operands, bind
+from ..contract.environment import process_count
 from ..contract.errors import (
+    AgreementError,
     FallbackWarning,
     NoBackendError,
     PlatformUnavailableError,
@@ -30,7 +32,7 @@ from ..contract.errors import (
 )
 from .discovery import Origin
 from .dispatch import Served, by_pass, empty_result, unavailable_message
-from .select import Explanation, Measured, Probe, Tuning, select
+from .select import Agree, Explanation, Measured, Probe, Tuning, select
 
 #: Distinct call signatures one Attention remembers; older ones are evicted.
 SELECTION_CACHE_SIZE = 512
@@ -107,6 +109,9 @@ class Backends(Protocol):
     probe: Probe | None
     #: Reads tuning tables (None: selection never consults one).
     tuning: Tuning | None
+    #: Agrees on one choice across the processes of a multi-process run (None:
+    #: each process chooses alone).
+    agree: Agree | None
     #: Bumped on every reload, so selections made before it are dropped.
     generation: int
 
@@ -224,13 +229,15 @@ class Attention:
         """Verdicts for an already-bound call on ``platform`` (default: the first
         platform; ``call_for`` and ``judging`` (``calls_for``, ``reasons_for``): see
         :func:`select`), the tuning table's entry for the call forward (or, with
-        ``grad``, forward and backward) consulted."""
+        ``grad``, forward and backward) consulted. In a multi-process run the
+        processes agree on the choice (docs/MANY_CHIPS.md, "Many hosts")."""
         platform = self.platform if platform is None else platform
         backends = self.registry.backends
         if self.backend_name is not None:
             backends = {self.backend_name: self.registry.backend(self.backend_name)}
         origins = self.registry.origins
-        return select(
+        agree = self.registry.agree if process_count() > 1 else None
+        explanation = select(
             call,
             platform,
             list(backends.values()),
@@ -242,8 +249,17 @@ class Attention:
             call_for=call_for,
             options=self.backend_options,
             measured=self.measured(call, platform, grad),
+            probe_all=agree is not None,
             **judging,
         )
+        if agree is None:
+            return explanation
+        # What names this selection in every process: the call and everything
+        # of this attention that changes its candidates or their order.
+        question = ("dense", call, platform, grad, self.backend_name, self.prefer,
+                    tuple(sorted(self.backend_options)), str(self.tuning),
+                    call_for is not None, tuple(sorted(judging)))
+        return agree(explanation, question)
 
     def measured(self, call: AttentionCall, platform: str, grad: bool) -> Measured | None:
         """The tuning table's word on ``call`` (None: no table, or ``backend=`` pinned)."""
@@ -303,6 +319,8 @@ class Attention:
 
     def _apply_policy(self, call: AttentionCall, explanation: Explanation,
                       platform: str) -> Backend:
+        if explanation.chosen is None and explanation.agreement is not None:
+            raise AgreementError(explanation.agreement)
         if explanation.chosen is None:
             reasons = {v.backend: list(v.reasons) for v in explanation.verdicts}
             if self.backend_name is not None:

@@ -18,6 +18,7 @@ import numpy as np
 from ..contract.backend import Backend
 from ..contract.capabilities import in_range
 from ..contract.errors import (
+    AgreementError,
     FallbackWarning,
     NoBackendError,
     PlatformUnavailableError,
@@ -58,20 +59,22 @@ def select_paged(call: PagedCall, platform: str, backends: Sequence[Backend], *,
                  jax_version: str, present: bool = True, prefer: Sequence[str] = (),
                  distributions: Mapping[str, str] | None = None,
                  probe: PagedProbe | None = None,
-                 options: Mapping[str, Any] | None = None) -> Explanation:
+                 options: Mapping[str, Any] | None = None,
+                 probe_all: bool = False) -> Explanation:
     """Judge every backend for the paged ``call`` on ``platform``; choose the first survivor.
 
     As :func:`~attn_backends.select` for dense calls: paged manifest, jax range,
     ``check_paged``, then ``probe`` (when given and the platform is present,
-    until one is chosen). A backend without paged support is not "passed over"
-    (``platform_ok`` False), so it never causes a fallback warning.
+    until one is chosen, or every one with ``probe_all``). A backend without
+    paged support is not "passed over" (``platform_ok`` False), so it never
+    causes a fallback warning.
     """
     verdicts = []
     chosen = None
     for backend in rank(backends, platform, prefer):
         reasons = _paged_reasons(backend, call, platform, jax_version)
         probed = None
-        if not reasons and probe is not None and present and chosen is None:
+        if not reasons and probe is not None and present and (chosen is None or probe_all):
             outcome = probe(backend, call, platform, (options or {}).get(backend.name))
             probed = outcome is not None
             reasons += list(outcome or ())
@@ -91,6 +94,8 @@ def select_paged(call: PagedCall, platform: str, backends: Sequence[Backend], *,
 def choose_paged(explanation: Explanation, *, pinned: str | None, fallback: str) -> str:
     """The chosen backend's name under the fallback policy, or the error saying why none."""
     call, platform = explanation.call, explanation.platform
+    if explanation.chosen is None and explanation.agreement is not None:
+        raise AgreementError(explanation.agreement)
     if explanation.chosen is None:
         reasons = {v.backend: list(v.reasons) for v in explanation.verdicts}
         if pinned is not None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ..contract.backend import Backend
 from ..contract.errors import AttnBackendsWarning, UnknownBackendError, warn
 from .discovery import Discovered, LoadProblem, Origin, Settings, discover
-from .select import Explanation, Probe, Tuning
+from .select import Agree, Explanation, Probe, Tuning
 
 if TYPE_CHECKING:
     from .attention import Attention, ParallelLayer
@@ -50,7 +50,9 @@ class Registry:
     attribute (the same signature with a PagedCall) when it has one. ``parallel``
     loads the layer that serves sharded inputs (None: they raise UnsupportedError).
     ``tuning`` reads tuning tables (None: selection never consults one), a
-    callable or a :class:`Lazy` one.
+    callable or a :class:`Lazy` one. ``agree`` makes the processes of a
+    multi-process run choose alike (None: each chooses alone), a callable or a
+    :class:`Lazy` one; it is built and called only when ``jax.process_count() > 1``.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class Registry:
         probe: Probe | Lazy[Probe] | None = None,
         parallel: Callable[[], ParallelLayer] | None = None,
         tuning: Tuning | Lazy[Tuning] | None = None,
+        agree: Agree | Lazy[Agree] | None = None,
     ):
         self._plugins = list(plugins)
         self._overrides = {
@@ -74,6 +77,7 @@ class Registry:
         }
         self._probe = probe
         self._tuning = tuning
+        self._agree = agree
         self._parallel = parallel
         self._discovered: Discovered | None = None
         # Re-entrant: a plugin that reads the registry while it is imported
@@ -101,6 +105,15 @@ class Registry:
             if isinstance(self._tuning, Lazy):
                 self._tuning = self._tuning.make()
             return self._tuning
+
+    @property
+    def agree(self) -> Agree | None:
+        """What makes the processes of a multi-process run agree (a :class:`Lazy`
+        one is built here, once, on the first selection with several processes)."""
+        with self._lock:
+            if isinstance(self._agree, Lazy):
+                self._agree = self._agree.make()
+            return self._agree
 
     def _load(self) -> Discovered:
         with self._lock:
@@ -291,7 +304,7 @@ class Registry:
     def _explain_paged(self, call: Any, device: Any, backend: str | None, prefer: Any,
                        fallback: str, backend_options: Mapping[str, Any] | None,
                        ) -> tuple[Explanation, bool]:
-        from ..contract.environment import resolve_all
+        from ..contract.environment import process_count, resolve_all
         from .paged import select_paged
 
         if fallback not in FALLBACK_MODES:
@@ -310,11 +323,18 @@ class Registry:
                 warn(f"{what}: {', '.join(map(repr, unknown))} not installed (installed: "
                      f"{', '.join(sorted(self.backends)) or 'none'}); ignored",
                      AttnBackendsWarning)
+        agree = self.agree if process_count() > 1 else None
         explanation = select_paged(
             call, platform, list(candidates.values()), jax_version=_jax_version(),
             present=present, prefer=prefer,
             distributions={n: o.distribution for n, o in self.origins.items()},
-            probe=self.paged_probe, options=backend_options)
+            probe=self.paged_probe, options=backend_options, probe_all=agree is not None)
+        if agree is not None:
+            # Every process makes its cache in the layout of the one backend
+            # they all serve (docs/MANY_CHIPS.md, "Many hosts").
+            question = ("paged", call, platform, backend, prefer,
+                        tuple(sorted(backend_options or {})))
+            explanation = agree(explanation, question)
         return explanation, present
 
     @property

@@ -37,6 +37,15 @@ class Measured:
 Tuning = Callable[[Any, AttentionCall, str, bool, Mapping[str, Backend]], "Measured | None"]
 
 
+#: ``agree(explanation, question) -> explanation``: the choice every process of a
+#: multi-process run makes for ``question`` (a hashable that names the same
+#: selection in every process), given this process's explanation of it; raises
+#: AgreementError when the processes cannot hear from each other in time.
+#: Consulted only when ``jax.process_count() > 1``. The registry's default is
+#: :class:`attn_backends.parallel.hosts.Hosts`.
+Agree = Callable[["Explanation", Any], "Explanation"]
+
+
 #: What ``explain`` says of a backend given a key mask as segment ids.
 KEY_MASK_NOTE = "key mask rewritten as segment ids"
 
@@ -72,6 +81,9 @@ class Explanation:
     chosen: str | None
     #: What a tuning table said of this call (None: no table was consulted).
     measured: Measured | None = None
+    #: How the processes of a multi-process run agreed on ``chosen``, or why they
+    #: could not (None: one process, nothing to agree).
+    agreement: str | None = None
 
     @property
     def passed_over(self) -> tuple[Verdict, ...]:
@@ -92,6 +104,7 @@ class Explanation:
             "platform_present": self.present,
             "chosen": self.chosen,
             "measured": None if self.measured is None else asdict(self.measured),
+            "agreement": self.agreement,
             "verdicts": [{**asdict(v), "reasons": list(v.reasons), "notes": list(v.notes)}
                          for v in self.verdicts],
         }
@@ -120,6 +133,8 @@ class Explanation:
             if self.measured.backend not in (None, self.chosen):
                 lines.append(f"  the table's {self.measured.backend} is not chosen: a prefer= "
                              "name or its verdict above comes first")
+        if self.agreement is not None:
+            lines.append(f"hosts: {self.agreement}")
         return "\n".join(lines)
 
 
@@ -169,6 +184,7 @@ def select(
     calls_for: Callable[[Backend], Sequence[AttentionCall]] | None = None,
     reasons_for: Callable[[Backend], Sequence[str]] | None = None,
     measured: Measured | None = None,
+    probe_all: bool = False,
 ) -> Explanation:
     """Judge every backend for ``call`` on ``platform`` and choose the first survivor.
 
@@ -189,6 +205,10 @@ def select(
     ``measured`` is a tuning table's word: its backend is tried right after the
     names in ``prefer`` (which still win), and must pass every step like any
     other; a quarantined, refused or missing one leaves the priority order.
+
+    ``probe_all`` probes every backend that passes the other steps, not only
+    until one is chosen: a multi-process run agrees on the first backend that
+    every process serves, so each must know its verdict on all of them.
     """
     verdicts = []
     chosen = None
@@ -209,7 +229,7 @@ def select(
             found = _reasons(backend, served, platform, jax_version)
             reasons += [r for r in found if r not in reasons]
         probed = None
-        if not reasons and probe is not None and present and chosen is None:
+        if not reasons and probe is not None and present and (chosen is None or probe_all):
             for one in judged:
                 outcome = probe(backend, one, platform, (options or {}).get(backend.name))
                 probed = bool(probed) or outcome is not None

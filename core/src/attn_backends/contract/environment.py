@@ -191,14 +191,32 @@ def versions() -> dict[str, str | None]:
     }
 
 
+def local_device(platform: str) -> Any:
+    """This process's first device of ``platform``: where probes and certificates run.
+
+    In a multi-process run (``jax.distributed``) ``jax.devices(platform)[0]`` is
+    process 0's device, which no other process can read back from; every process
+    judges a backend on a device of its own (docs/MANY_CHIPS.md, "Many hosts").
+    """
+    import jax
+
+    return jax.local_devices(backend=platform)[0]
+
+
+def process_count() -> int:
+    """How many JAX processes this run has (``jax.distributed``; 1 on one host).
+    Only above 1 does selection agree across processes."""
+    import jax
+
+    return jax.process_count()
+
+
 def device_kind(platform: str) -> str | None:
-    """``jax.devices(platform)[0].device_kind``, or None when the platform is absent."""
+    """This process's device kind on ``platform``, or None when the platform is absent."""
 
     if platform not in visible_platforms():
         return None
-    import jax
-
-    return str(jax.devices(platform)[0].device_kind)
+    return str(local_device(platform).device_kind)
 
 
 def _absolute_path(text: str) -> Path:

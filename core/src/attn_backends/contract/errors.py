@@ -46,6 +46,13 @@ class PlatformUnavailableError(AttnBackendsError, RuntimeError):
     """A call must run on a platform that JAX cannot see on this machine."""
 
 
+class AgreementError(AttnBackendsError, RuntimeError):
+    """The processes of a multi-process run found no backend every one of them
+    serves, or could not hear from each other in time (docs/MANY_CHIPS.md,
+    "Many hosts"). Every process raises it, with the same message when the
+    processes could exchange what they serve."""
+
+
 class PluginError(AttnBackendsError):
     """A plugin failed to load or register (raised only in strict mode)."""
 
@@ -64,6 +71,11 @@ class PluginWarning(AttnBackendsWarning):
 
 class FallbackWarning(AttnBackendsWarning):
     """A higher-priority backend was passed over for a call; says which and why."""
+
+
+class AgreementWarning(AttnBackendsWarning):
+    """The processes of a multi-process run agreed on a backend that some process
+    would not have chosen alone (another ``prefer``, tuning table or verdict)."""
 
 
 def warn(message: str, category: type[Warning]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..contract.call import WIDE_DTYPES
+from ..contract.environment import local_device
 from ..contract.paged import PagedBackend, PagedCall
 from .paged_inputs import PagedCase, paged_case
 from .tolerances import compare, tolerance
@@ -106,7 +107,8 @@ def run_paged_probe(backend: Any, call: PagedCall, platform: str,
         return paged.to_canonical(target, cache), out
 
     # The probe runs in a worker thread: a float64 call needs x64 there too.
-    with jax.enable_x64(call.dtype in WIDE_DTYPES), jax.default_device(jax.devices(platform)[0]):
+    with (jax.enable_x64(call.dtype in WIDE_DTYPES),
+          jax.default_device(local_device(platform))):
         dtype = jnp.dtype(call.dtype)
         arrays = [jnp.asarray(x, dtype) for x in (k_pages, v_pages, k, v)]
         pools, out = jax.jit(step)(*arrays, jnp.asarray(slots), jnp.asarray(case.q, dtype),

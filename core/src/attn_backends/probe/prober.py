@@ -118,6 +118,21 @@ def quarantined(backend: str | None = None) -> list[dict[str, Any]]:
             and (backend is None or r.get("key", {}).get("backend") == backend)]
 
 
+#: XLA status codes that say the machine could not run a program, whatever program.
+_ENVIRONMENT_STATUSES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED",
+                         "CANCELLED", "ABORTED")
+
+
+def environment_failure(exc: BaseException) -> bool:
+    """Whether a probe's exception is the environment's (memory, a lost device or
+    peer, a device this process cannot address), not a fault of the backend."""
+    text = str(exc)
+    if "non-addressable" in text:
+        return True
+    return type(exc).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and text.startswith(
+        _ENVIRONMENT_STATUSES)
+
+
 #: ``runner(backend, call, platform, options) -> reasons`` (None: nothing to compare).
 Runner = Callable[[Backend, AttentionCall, str, Any], "list[str] | None"]
 #: ``paged_runner(backend, call, platform, options) -> reasons`` for paged calls.
@@ -126,7 +141,8 @@ PagedRunner = Callable[[Backend, PagedCall, str, Any], "list[str] | None"]
 
 @dataclass(frozen=True)
 class ProbeVerdict:
-    """A probe's outcome. ``source``: "run", "disk", "certificate", "timeout" or "unprobed"."""
+    """A probe's outcome. ``source``: "run", "disk", "certificate", "timeout",
+    "environment" (the machine could not run it; kept in memory only) or "unprobed"."""
 
     passed: bool
     reasons: tuple[str, ...]
@@ -273,6 +289,12 @@ class Prober:
         elif status == "raised":
             first_line = (str(value).strip().splitlines() or [""])[0][:300]
             outcome = [f"probe raised {type(value).__name__}: {first_line}"]
+            if environment_failure(value):
+                # The machine, not the backend's answer: kept in memory only, so
+                # the next process probes again instead of finding a quarantine.
+                source = "environment"
+                outcome = [f"{outcome[0]} (this machine could not run the probe; not "
+                           "quarantined on disk)"]
         else:
             # Kept in memory only: a slow first compile on a busy machine must
             # not quarantine the backend on disk for good.

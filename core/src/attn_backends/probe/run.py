@@ -20,6 +20,7 @@ import numpy as np
 from ..choose.dispatch import served_operands
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, Operands
+from ..contract.environment import local_device
 from . import call as _probe_call
 from . import oracle
 from .tolerances import compare, tolerance
@@ -177,7 +178,7 @@ def run_probe(
     data = _probe_call.inputs(small)
     keep = None
     if small.dropout_rate:
-        with jax.default_device(jax.devices(platform)[0]):
+        with jax.default_device(local_device(platform)):
             wrong_mask, keep = dropout_reasons(backend, small, data["operands"]["dropout_key"])
         if wrong_mask:
             return [f"probe: {r}, on {small.describe()}" for r in wrong_mask]
@@ -192,7 +193,7 @@ def run_probe(
     reasons = []
     # The backend learns the platform the probe is lowered for, as core's calls say it.
     target = dataclasses.replace(small, platform=platform)
-    with jax.default_device(jax.devices(platform)[0]):
+    with jax.default_device(local_device(platform)):
         results = _backend_results(backend, target, data, grads, [opts for _, opts in runs])
     for (label, _), got in zip(runs, results, strict=True):
         for what in (name for name in ORDER if name in want):

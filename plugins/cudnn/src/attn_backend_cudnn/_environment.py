@@ -35,7 +35,7 @@ def local_compute_capability() -> tuple[int, int] | None:
     import jax
 
     try:
-        device = jax.devices("gpu")[0]
+        device = jax.local_devices(backend="gpu")[0]
     except RuntimeError:
         return None
     capability = getattr(device, "compute_capability", None)

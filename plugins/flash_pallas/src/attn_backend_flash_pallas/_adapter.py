@@ -24,7 +24,7 @@ def local_tpu_kind() -> str | None:
     import jax
 
     try:
-        return jax.devices("tpu")[0].device_kind
+        return jax.local_devices(backend="tpu")[0].device_kind
     except RuntimeError:
         return None
 

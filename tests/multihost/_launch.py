@@ -1,0 +1,74 @@
+"""Start COUNT worker processes on 127.0.0.1, joined by jax.distributed, and
+collect each one's RESULT line (tests/multihost/_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+WORKER = Path(__file__).with_name("_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(tmp: Path, count: int, scenario: str, *, env: Sequence[Mapping[str, str]] = (),
+        shared_cache: bool = False, timeout_s: float = 240,
+        ) -> tuple[list[dict[str, Any]], float]:
+    """Each process's RESULT (in process order) and the run's wall time. ``env``
+    adds variables per process; each process has a fresh cache folder of its own
+    unless ``shared_cache`` (one folder, as on a shared file system). A process
+    still running after ``timeout_s`` is killed and the test fails with its output.
+
+    In the ``die`` and ``hang`` scenarios the last process never reports: it is
+    not waited for (a hanging one is killed once the others are done), and each
+    other process reports a RESULT, or ``{"aborted": output}`` when JAX's
+    distributed service ended it for its dead peer."""
+    port = _free_port()
+    base = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for i in range(count):
+        cache = tmp / ("cache" if shared_cache else f"cache{i}")
+        extra = dict(env[i]) if i < len(env) else {}
+        procs.append(subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(count), str(port), scenario],
+            env={**base, "ATTN_BACKENDS_CACHE_DIR": str(cache), **extra},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    start = time.monotonic()
+    outputs = []
+    silent = count - 1 if scenario in ("die", "hang") else None
+    try:
+        for proc in procs[:silent]:
+            left = max(1.0, timeout_s - (time.monotonic() - start))
+            try:
+                outputs.append(proc.communicate(timeout=left)[0])
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{scenario}: a process still ran after {timeout_s} s "
+                                     "(a hang)") from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+    seconds = time.monotonic() - start
+    results = []
+    for i, text in enumerate(outputs):
+        lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+        if not lines and silent is not None and procs[i].returncode != 0:
+            results.append({"process": i, "aborted": text})
+            continue
+        assert lines, f"process {i} printed no RESULT (exit {procs[i].returncode}):\n{text[-3000:]}"
+        results.append({**json.loads(lines[-1][len("RESULT "):]), "output": text})
+    return results, seconds

@@ -1,0 +1,197 @@
+"""One process of a multi-process run on 127.0.0.1 (2 cpu devices each, gloo).
+
+``python _worker.py PROCESS COUNT PORT SCENARIO``, started by ``_launch.run``.
+The default registry, probes on, the cache ``ATTN_BACKENDS_CACHE_DIR`` names.
+Prints one line ``RESULT {json}``: the backend each call was served by, the
+worst error of this process's shards against the float64 oracle, or the error
+it raised (type and message).
+
+Scenarios:
+- ``choose``: one plain call on a device of this process;
+- ``serve``: the plain call, a call sharded over every process's devices (batch
+  and heads), ring attention over a sequence axis spanning the processes
+  (forward and backward), and heads-sharded paged attention (the write, then a
+  ragged batch);
+- ``die``: the last process exits before its call; the others wait for it;
+- ``hang``: the last process sleeps instead of calling; the others wait for it;
+- ``quarantined``: process 1's cache holds a failed verdict for xla_native
+  (written by a prober whose runner reports a wrong answer) before its call.
+
+With ``ATTN_BACKENDS_TEST_ALONE=1`` the registry is built without agreement:
+each process chooses alone (the teeth of the skew tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+B, T, H, D = 2, 32, 4, 16
+
+
+def _data(n: int) -> list[Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)  # the same data in every process
+    return [rng.standard_normal((B, T, H, D)).astype(np.float32) for _ in range(n)]
+
+
+def _worst(got: Any, want: Any) -> float:
+    """The largest difference on this process's shards of a global array."""
+    import numpy as np
+
+    return max(float(np.abs(np.asarray(s.data) - want[s.index]).max())
+               for s in got.addressable_shards)
+
+
+def _registry() -> Any:
+    import attn_backends as ab
+
+    if os.environ.get("ATTN_BACKENDS_TEST_ALONE") != "1":
+        return ab.registry
+    alone = ab.Registry()
+    alone._agree = None  # the teeth: each process chooses alone
+    return alone
+
+
+def choose(result: dict[str, Any]) -> None:
+    import numpy as np
+    from attn_backends_contracts._oracle import attention as oracle
+
+    q, k, v = _data(3)
+    attention = _registry().get(fallback="silent")
+    out = attention(q, k, v, causal=True)
+    explanation = attention.explain(q, k, v, causal=True)
+    result["chosen"]["plain"] = explanation.chosen
+    result["explain"] = str(explanation)
+    result["worst"]["plain"] = float(np.abs(np.asarray(out) - oracle(q, k, v, causal=True)[0])
+                                     .max())
+
+
+def sharded(result: dict[str, Any]) -> None:
+    from attn_backends_contracts._oracle import attention as oracle
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    q, k, v = _data(3)
+    mesh = jax.make_mesh((2, jax.device_count() // 2), ("dp", "tp"))
+    spec = NamedSharding(mesh, P("dp", None, "tp", None))
+    glob = [jax.make_array_from_callback(x.shape, spec, lambda i, x=x: x[i]) for x in (q, k, v)]
+    attention = _registry().get(fallback="silent")
+    with jax.sharding.set_mesh(mesh):
+        out = jax.jit(lambda q, k, v: attention(q, k, v, causal=True))(*glob)
+    result["chosen"]["sharded"] = attention.explain(*glob, causal=True).chosen
+    result["worst"]["sharded"] = _worst(out, oracle(q, k, v, causal=True)[0])
+
+
+def ring(result: dict[str, Any]) -> None:
+    import jax.numpy as jnp
+    from attn_backends_contracts._oracle import attention as oracle
+    from attn_backends_contracts._oracle import attention_vjp as oracle_vjp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    q, k, v, d_out = _data(4)
+    mesh = jax.make_mesh((jax.device_count(),), ("sp",))
+    spec = NamedSharding(mesh, P(None, "sp", None, None))
+    glob = [jax.make_array_from_callback(x.shape, spec, lambda i, x=x: x[i])
+            for x in (q, k, v, d_out)]
+    attention = _registry().get(fallback="silent", sequence_axis="sp")
+
+    def loss(q: Any, k: Any, v: Any, d_out: Any) -> Any:
+        out = attention(q, k, v, causal=True)
+        return jnp.sum(out * d_out), out
+
+    with jax.sharding.set_mesh(mesh):
+        grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*glob)
+        result["chosen"]["ring"] = attention.explain(*glob[:3], causal=True).chosen
+    want = [oracle(q, k, v, causal=True)[0],
+            *list(oracle_vjp(q, k, v, d_out, causal=True).values())[:3]]
+    result["worst"]["ring"] = max(_worst(g, w) for g, w in zip((out, *grads), want,
+                                                                strict=True))
+
+
+def paged(result: dict[str, Any]) -> None:
+    import jax.numpy as jnp
+    import numpy as np
+    from attn_backends.oracle import paged_case
+    from attn_backends.parallel.paged import shard_paged_heads
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = jax.device_count()
+    hkv, page = n, 4
+    attention = _registry().get_paged(num_q_heads=2 * hkv, num_kv_heads=hkv, head_dim=D,
+                                      page_size=page, dtype="float32", fallback="silent")
+    result["chosen"]["paged"] = attention.backend.name
+    case = paged_case([(5, 5), (3, 9), (1, 13), (0, 6)], page_size=page, hq=2 * hkv,
+                      hkv=hkv, d=D, pad_rows=2, seed=0)
+    mesh = jax.make_mesh((n,), ("tp",))
+    heads = NamedSharding(mesh, P(None, "tp", None))
+    served = shard_paged_heads(attention, mesh, "tp")
+
+    def put(x: Any) -> Any:
+        return jax.make_array_from_callback(x.shape, heads, lambda i, x=x: x[i])
+
+    write = jax.jit(served.write, donate_argnums=0)
+    cache = write(served.init_cache(case.k_pages.shape[0]), put(case.k_rows),
+                  put(case.v_rows), jnp.asarray(case.slots))
+    out = jax.jit(served.__call__)(put(np.asarray(case.q)), cache, case.batch())
+    result["worst"]["paged"] = _worst(out, case.expected())
+
+
+def main(process: int, count: int, port: int, scenario: str) -> None:
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=count,
+                               process_id=process, initialization_timeout=60)
+    # Every process's backend starts together (the cpu client's start is itself
+    # a meeting of all processes): a process dies or hangs after it, at its call.
+    jax.devices()
+    result: dict[str, Any] = {"process": process, "chosen": {}, "worst": {}, "error": None}
+    try:
+        if scenario == "die" and process == count - 1:
+            os._exit(3)
+        if scenario == "hang" and process == count - 1:
+            time.sleep(3600)
+        if scenario == "quarantined" and process == 1:
+            _quarantine("xla_native")
+        steps = [choose] if scenario != "serve" else [choose, sharded, ring, paged]
+        for step in steps:
+            step(result)
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which judges it
+        result["error"] = [type(exc).__name__, str(exc)]
+        result["trace"] = traceback.format_exc()[-2000:]
+    print("RESULT " + json.dumps(result), flush=True)
+    # Process 0 holds the coordination service: every live process waits here
+    # until all have read what they need from it. One whose peer died could
+    # not pass jax.distributed's shutdown, so each leaves with os._exit.
+    from jax._src import distributed
+
+    alive = [p for p in range(count) if not (scenario in ("die", "hang") and p == count - 1)]
+    distributed.global_state.client.wait_at_barrier("attn-test-done", 120_000, alive)
+    os._exit(0)
+
+
+def _quarantine(name: str) -> None:
+    """A failed verdict for ``name`` in this process's cache, as a probe that saw a
+    wrong answer leaves it."""
+    import attn_backends as ab
+    from attn_backends.probe.prober import Prober
+
+    q, k, v = _data(3)
+    call, _ = ab.bind(q, k, v, causal=True)
+    verdict = Prober(runner=lambda *_: ["probe: out differs (planted by the test)"]).verdict(
+        ab.registry.backend(name), call, "cpu")
+    assert not verdict.passed and verdict.source == "run", verdict
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

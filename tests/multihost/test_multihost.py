@@ -1,0 +1,140 @@
+"""Many hosts (docs/MANY_CHIPS.md, "Many hosts"): real processes on 127.0.0.1
+joined by jax.distributed (gloo, 2 cpu devices each), the default registry with
+probes on, a fresh cache per process unless said otherwise. Every process
+serves, all choose one backend, and skewed hosts agree or fail alike, in
+bounded time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from multihost._launch import run
+
+TOLERANCE = 1e-5
+#: Short enough that a dead or hung process is reported before JAX's own
+#: heartbeat timeout (100 s) ends the survivors.
+AGREE = {"ATTN_BACKENDS_AGREE_TIMEOUT_S": "10"}
+
+
+def _single_process_choice() -> str:
+    """What one process alone chooses for the workers' plain call."""
+    import attn_backends as ab
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 32, 4, 16)).astype(np.float32) for _ in range(3))
+    return ab.registry.get().explain(q, k, v, causal=True).chosen
+
+
+def one_choice(results: list[dict]) -> str:
+    """The one backend every process was served by, for every call; fails naming
+    each process's choices otherwise."""
+    for r in results:
+        assert r.get("error") is None, f"process {r['process']}: {r['error']}\n{r.get('trace')}"
+    choices = {name for r in results for name in r["chosen"].values()}
+    assert len(choices) == 1, "processes chose differently: " + "; ".join(
+        f"process {r['process']}: {r['chosen']}" for r in results)
+    return choices.pop()
+
+
+def one_error(results: list[dict]) -> str:
+    """The one AgreementError message every process raised."""
+    errors = {tuple(r["error"]) if r.get("error") else None for r in results}
+    assert len(errors) == 1 and None not in errors, [r.get("error") for r in results]
+    kind, message = errors.pop()
+    assert kind == "AgreementError", message
+    return message
+
+
+@pytest.mark.parametrize(("count", "shared"), [(2, False), (4, True)])
+def test_every_process_serves_plain_sharded_ring_and_paged_calls(tmp_path, count, shared):
+    results, _ = run(tmp_path, count, "serve", shared_cache=shared)
+    assert one_choice(results) == _single_process_choice()
+    for r in results:
+        assert set(r["worst"]) == {"plain", "sharded", "ring", "paged"}
+        assert max(r["worst"].values()) < TOLERANCE, r["worst"]
+
+
+def test_a_host_that_allows_only_another_backend_moves_all_to_it(tmp_path):
+    results, _ = run(tmp_path, 2, "choose", env=[{}, {"ATTN_BACKENDS_ONLY": "reference"}])
+    assert one_choice(results) == "reference"
+    for r in results:  # the same warning on every process: process 0 alone would differ
+        assert "AgreementWarning" in r["output"]
+        assert "process 0 (" in r["output"] and "would choose xla_native" in r["output"]
+    assert "process 1 (" in results[0]["explain"] and "does not have it" in results[0]["explain"]
+
+
+def test_a_host_lacking_the_chosen_plugin_moves_all_to_one_they_share(tmp_path):
+    results, _ = run(tmp_path, 2, "choose", env=[{}, {"ATTN_BACKENDS_DISABLE": "xla_native"}])
+    assert one_choice(results) == "reference"
+    assert "process 1 (" in results[0]["explain"]
+    assert "does not have it (not installed" in results[0]["explain"]
+
+
+def test_a_host_whose_cache_quarantines_the_choice_moves_all(tmp_path):
+    results, _ = run(tmp_path, 2, "quarantined")
+    assert one_choice(results) == "reference"
+    assert "planted by the test" in results[0]["explain"]
+
+
+def _tuning_table(path) -> None:
+    """A table measuring example_dense fastest for the workers' call (scripted times)."""
+    import attn_backends as ab
+    from attn_backends.cli.tune import Signature, tune
+    from attn_backends.probe.tuning import environment, identity
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 32, 4, 16)).astype(np.float32)
+    call, _ = ab.bind(q, q, q, causal=True)
+    registry = ab.Registry()
+    seconds = {"example_dense": 1e-3}
+
+    def timer(name, run_once):
+        run_once()
+        return seconds.get(name, 9e-3)
+
+    tune(registry, [Signature(call)], "cpu", environment=environment("cpu"),
+         identity=identity(registry.backends), timer=timer, warmup=0, rounds=3,
+         runs=1).save(path)
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tuning") / "table.json"
+    _tuning_table(path)
+    return path
+
+
+def test_a_host_whose_tuning_table_names_another_winner_follows_process_0(tmp_path, table):
+    results, _ = run(tmp_path, 2, "choose", env=[{}, {"ATTN_BACKENDS_TUNING": str(table)}])
+    assert one_choice(results) == _single_process_choice()
+    for r in results:  # the same warning on every process
+        assert "AgreementWarning" in r["output"]
+        assert "process 1 (" in r["output"] and "would choose example_dense" in r["output"]
+
+
+def test_skewed_hosts_without_agreement_choose_differently(tmp_path, table):
+    """The teeth: with the agreement taken out, the skew above gives two programs."""
+    alone = {"ATTN_BACKENDS_TEST_ALONE": "1"}
+    results, _ = run(tmp_path, 2, "choose",
+                     env=[alone, {**alone, "ATTN_BACKENDS_TUNING": str(table)}])
+    with pytest.raises(AssertionError, match="processes chose differently"):
+        one_choice(results)
+
+
+def test_hosts_that_share_no_backend_raise_one_error_on_all(tmp_path):
+    results, _ = run(tmp_path, 2, "choose", env=[{"ATTN_BACKENDS_ONLY": "xla_native"},
+                                                 {"ATTN_BACKENDS_ONLY": "reference"}])
+    message = one_error(results)
+    assert "no backend is served by all 2 processes" in message
+    assert "process 0" in message and "serves xla_native" in message
+    assert "process 1" in message and "serves reference" in message
+
+
+@pytest.mark.parametrize(("scenario", "count"), [("die", 2), ("hang", 3)])
+def test_a_process_that_dies_or_hangs_is_an_error_on_the_others_in_bounded_time(
+        tmp_path, scenario, count):
+    results, seconds = run(tmp_path, count, scenario, env=[AGREE] * count, timeout_s=90)
+    message = one_error(results)
+    assert f"no offer from process(es) [{count - 1}] within 10 s" in message
+    assert seconds < 60

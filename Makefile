@@ -58,20 +58,28 @@ CHECK_COMPAT = $(VENV_COMPAT)/bin/attn-backends check
 # (regular wheels, not editable); test-wheels installs them into fresh venvs.
 DIST := dist
 
-.PHONY: install install-compat demo dist lint test test-main test-compat test-wheels test-gpu clean
+# `make test` prints each stage's wall time at its end, slowest first, so a slow
+# stage is seen at once: each stage's commands run through `$(TIMED) NAME --`,
+# which keeps the command's exit status and, under `make test` only (which sets
+# STAGE_TIMES), appends "NAME SECONDS STATUS" to .stage-times.
+TIMED := tools/stage_time.sh
+
+.PHONY: install install-compat demo dist lint test test-stages test-main test-compat test-wheels \
+	test-gpu clean
 
 $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
-	$(PYTHON) -m venv --clear $(VENV)
-	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
-	$(PY) -m pip install -q -r requirements-dev.txt "$(JAX)"
-	$(PY) -m pip install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
+	$(TIMED) install -- $(PYTHON) -m venv --clear $(VENV)
+	$(TIMED) install -- $(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
+	$(TIMED) install -- $(PY) -m pip install -q -r requirements-dev.txt "$(JAX)"
+	$(TIMED) install -- $(PY) -m pip install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $@
 
 $(STAMP_COMPAT): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
-	$(PYTHON_COMPAT) -m venv --clear $(VENV_COMPAT)
-	$(PY_COMPAT) -m pip install -q --upgrade pip "setuptools>=77" wheel
-	$(PY_COMPAT) -m pip install -q -r requirements-dev.txt "$(JAX_COMPAT)"
-	$(PY_COMPAT) -m pip install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
+	$(TIMED) install-compat -- $(PYTHON_COMPAT) -m venv --clear $(VENV_COMPAT)
+	$(TIMED) install-compat -- $(PY_COMPAT) -m pip install -q --upgrade pip "setuptools>=77" wheel
+	$(TIMED) install-compat -- $(PY_COMPAT) -m pip install -q -r requirements-dev.txt "$(JAX_COMPAT)"
+	$(TIMED) install-compat -- $(PY_COMPAT) -m pip install -q --no-build-isolation \
+		$(addprefix -e ,$(PACKAGES))
 	touch $@
 
 install: $(STAMP)
@@ -85,22 +93,30 @@ demo: install
 	$(PY) examples/transformer/train.py --steps 20
 	$(PY) examples/serving/serve.py
 
+# The stages run in a sub-make, so their times are printed even when one fails
+# (with its status), and the sub-make's status is make test's.
+test: export STAGE_TIMES = $(CURDIR)/.stage-times
+test:
+	@rm -f $(STAGE_TIMES); start=$$(date +%s); $(MAKE) test-stages; status=$$?; \
+		$(TIMED) --report $$start; exit $$status
+
 # Stages: the main pytest; the multidevice tests and certifications on jax 0.12
 # (the compatibility environment installs beside them); the compatibility
 # pytest; the jax 0.10 certifications beside the wheel installs (mostly downloads).
-test: lint test-main pytest-compat
+test-stages: lint test-main pytest-compat
 	$(MAKE_2) certify-compat-xla_native wheels-full certify-compat-flash_pallas wheels-xla \
 		$(CERTIFY_COMPAT)
 
 # Ruff over every Python file of the repo (pyproject.toml holds its rules): seconds.
 lint: install
-	$(VENV)/bin/ruff check .
+	$(TIMED) $@ -- $(VENV)/bin/ruff check .
 
 # Folder paths start with ./ so pip never mistakes one for a PyPI name
 # (`pip wheel contracts` builds an unrelated PyPI project).
 dist: install
 	rm -rf $(DIST) $(addsuffix /build,$(PACKAGES))  # stale build/lib files would ship
-	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST) $(addprefix ./,$(PACKAGES))
+	$(TIMED) $@ -- $(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST) \
+		$(addprefix ./,$(PACKAGES))
 
 # tests/wheels/run.sh: a fresh venv per variant, wheels from dist/, third-party
 # dependencies from PyPI; `--wheel` and `--run` add a wheel and a check script.
@@ -109,16 +125,17 @@ test-wheels:
 
 wheels-ready: dist
 	rm -rf $(DIST)/third-party tests/wheels/broken_backend/build
-	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST)/third-party ./tests/wheels/broken_backend
+	$(TIMED) $@ -- $(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST)/third-party \
+		./tests/wheels/broken_backend
 
 # run.sh takes one interpreter path ($(PYTHON) may be a command line: `env ... python3.12`).
 WHEELS_PYTHON = PYTHON="$$($(PYTHON) -c 'import sys; print(sys.executable)')"
 
 wheels-full: wheels-ready
-	$(WHEELS_PYTHON) tests/wheels/run.sh --variant full
+	$(WHEELS_PYTHON) $(TIMED) $@ -- tests/wheels/run.sh --variant full
 
 wheels-xla: wheels-ready
-	$(WHEELS_PYTHON) tests/wheels/run.sh --variant xla \
+	$(WHEELS_PYTHON) $(TIMED) $@ -- tests/wheels/run.sh --variant xla \
 		--wheel $(DIST)/third-party/attn_backend_broken-1.0-py3-none-any.whl \
 		--run tests/wheels/broken_not_served.py
 
@@ -135,14 +152,14 @@ test-main: pytest-main
 	$(MAKE_2) certify-main-xla_native multidevice install-compat $(CERTIFY_MAIN)
 
 pytest-main: install
-	$(PY) -m pytest $(PYTEST_2) --durations=25
+	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25
 
 multidevice: install
-	$(PY) -m pytest tests/multidevice
+	$(TIMED) $@ -- $(PY) -m pytest tests/multidevice
 
 $(CERTIFY_MAIN): certify-main-%: install
 	mkdir -p $(CERTS)
-	$(INTERPRET_$*) $(CHECK) $* --json $(CERTS)/$*.json
+	$(INTERPRET_$*) $(TIMED) $@ -- $(CHECK) $* --json $(CERTS)/$*.json
 
 # On jaxlib < 0.12 xla_native's decode path is off (DECODE_MIN_JAXLIB): its
 # decode tests check there that the blockwise kernel serves those calls, and
@@ -151,15 +168,16 @@ test-compat: pytest-compat
 	$(MAKE_2) $(CERTIFY_COMPAT)
 
 pytest-compat: install-compat
-	$(PY_COMPAT) -c "import sys, jax; print('jax', jax.__version__, 'on Python', sys.version.split()[0])"
-	$(PY_COMPAT) -m pytest $(PYTEST_2) tests/core plugins/flash_pallas plugins/flash_triton \
-		plugins/cudnn tests/test_flax.py tests/test_flax_nnx.py tests/test_platform_dispatch.py \
-		plugins/xla_native/tests/test_xla_native_decode.py \
+	$(TIMED) $@ -- $(PY_COMPAT) -c \
+		"import sys, jax; print('jax', jax.__version__, 'on Python', sys.version.split()[0])"
+	$(TIMED) $@ -- $(PY_COMPAT) -m pytest $(PYTEST_2) tests/core plugins/flash_pallas \
+		plugins/flash_triton plugins/cudnn tests/test_flax.py tests/test_flax_nnx.py \
+		tests/test_platform_dispatch.py plugins/xla_native/tests/test_xla_native_decode.py \
 		plugins/xla_native/tests/test_xla_native_forward_only.py
 
 $(CERTIFY_COMPAT): certify-compat-%: install-compat
 	mkdir -p $(CERTS)
-	$(INTERPRET_$*) $(CHECK_COMPAT) $* --json $(CERTS)/$*-jax-0.10.json
+	$(INTERPRET_$*) $(TIMED) $@ -- $(CHECK_COMPAT) $* --json $(CERTS)/$*-jax-0.10.json
 
 # On a GPU machine (never in CI): installs JAX's CUDA plugin for the installed
 # jax, runs the gpu-only tests, certifies every gpu backend on the local GPU and
@@ -179,4 +197,4 @@ test-gpu: install
 	$(PY) benchmarks/bench_gpu.py
 
 clean:
-	rm -rf $(VENV) $(VENV_COMPAT) $(CERTS) .attn-cache $(DIST)
+	rm -rf $(VENV) $(VENV_COMPAT) $(CERTS) .attn-cache $(DIST) .stage-times

@@ -45,17 +45,17 @@ What flax passes, and what becomes of it:
   xla_native); complex dtypes are refused (softmax needs real logits).
 - ``precision`` is not forwarded to backends: each fixes its own matmul
   precision (softmax is float32 in every backend), as flax's own
-  ``jax.nn.dot_product_attention`` path ignores it too; the dense path below
+  ``jax.nn.dot_product_attention`` path ignores it too; the dense path
   uses it, as flax's own einsums do.
   ``force_fp32_for_softmax`` (linen) is always true here.
 - ``module`` (flax passes it for ``sow_weights=True``): the weights are
   asked for, and no registry backend materialises them. That call is served
-  on purpose by the adapter's own dense path (:func:`_dense`): the contract's
-  rules exactly (the causal mapping above, mask, bias, GQA, float32 softmax;
-  a row with no visible key has zero weights), whose output is that same
-  ``weights @ value``, so the two agree. The weights ``[batch..., Hq, Tq,
-  Tk]`` are sown where flax's own attention sows them: linen's
-  ``"intermediates"`` collection, nnx's ``nnx.Intermediate``, under
+  on purpose by the adapter's own dense path (``attn_backends._flax_dense``):
+  the contract's rules exactly (the causal mapping above, mask, bias, GQA,
+  float32 softmax; a row with no visible key has zero weights), whose output
+  is that same ``weights @ value``, so the two agree. The weights
+  ``[batch..., Hq, Tq, Tk]`` are sown where flax's own attention sows them:
+  linen's ``"intermediates"`` collection, nnx's ``nnx.Intermediate``, under
   ``"attention_weights"``, in the computation dtype (float32 with linen's
   ``force_fp32_for_softmax``). One ``FallbackWarning`` per call signature says
   so, following the attention's ``fallback`` (``"silent"``: none; ``"error"``:
@@ -97,24 +97,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._flax_dense import DENSE_PATH, SOWN_DROPOUT_REFUSED, announce_dense, dense, sow
 from .choose.attention import SELECTION_CACHE_SIZE, Attention
 from .choose.select import Explanation
 from .contract.call import AttentionCall, bind
-from .contract.errors import FallbackWarning, UnsupportedError, warn
 
 __all__ = [
     "DENSE_PATH", "FlaxAttention", "FlaxExplanation", "FlaxSignature", "ServedCall", "attention_fn",
 ]
 
-#: The name ``served`` and ``explain()`` give the adapter's own path for ``sow_weights``.
-DENSE_PATH = "attn_backends.flax dense path (sow_weights)"
-
-_SOWN_DROPOUT_REFUSED = (
-    "attn_backends.flax: sow_weights=True with attention dropout (dropout_rate={rate}, "
-    "deterministic=False) is not supported: the weights are computed by the adapter's dense "
-    "path, which draws no dropout keep-mask. Sow the weights with deterministic=True, or "
-    "train without sow_weights."
-)
 
 @dataclass(frozen=True)
 class FlaxSignature:
@@ -246,7 +237,7 @@ class FlaxAttention:
         dropout: dict[str, Any] = {}
         if dropout_rate > 0.0 and not deterministic:
             if module is not None:
-                raise NotImplementedError(_SOWN_DROPOUT_REFUSED.format(rate=dropout_rate))
+                raise NotImplementedError(SOWN_DROPOUT_REFUSED.format(rate=dropout_rate))
             dropout = {"dropout_rate": float(dropout_rate), "dropout_key": dropout_rng}
         if promote_dtype is not None:
             query, key, value = promote_dtype((query, key, value), dtype=dtype)
@@ -290,11 +281,11 @@ class FlaxAttention:
         else:
             call, _ = bind(q, k, v, **kwargs)
             self._record(signature, q, k, v, kwargs, batch, call)
-            out, weights = _dense(call, q, k, v, mask, bias, precision)
+            out, weights = dense(call, q, k, v, mask, bias, precision)
             # Keys a top-left causal call cut are visible to no query: weight 0.
             weights = jnp.pad(weights, ((0, 0), (0, 0), (0, 0), (0, tk - weights.shape[-1])))
             sown = jnp.float32 if force_fp32_for_softmax else query.dtype
-            _sow(module, weights.astype(sown).reshape((*batch, hq, tq, tk)))
+            sow(module, weights.astype(sown).reshape((*batch, hq, tq, tk)))
             out = out.astype(query.dtype)
         return out.reshape((*batch, tq, hq, out.shape[-1]))
 
@@ -310,7 +301,7 @@ class FlaxAttention:
                 return
             mapping = _mapping(signature, batch)
             if dense_call is not None:
-                _announce_dense(self.attention.fallback, signature)
+                announce_dense(self.attention.fallback, signature)
                 served = ServedCall(signature, dense_call, mapping, DENSE_PATH)
             else:
                 served = self._explained(signature, mapping, q, k, v, kwargs)
@@ -448,64 +439,3 @@ def _mapping(signature: FlaxSignature, batch: tuple[int, ...]) -> str:
     if signature.sow_weights:
         parts.append("sow_weights: the adapter's dense path")
     return "; ".join(parts)
-
-
-def _announce_dense(fallback: str, signature: FlaxSignature) -> None:
-    """The one word, per signature, that the dense path serves a sown-weights call."""
-    message = (
-        f"attn_backends.flax: the call {signature} asks for the attention weights, "
-        "which no registry backend materialises; this call is served by the adapter's dense "
-        "path (the contract's rules, float32 softmax), whose output is those weights times "
-        "value. Calls without sow_weights go to the registry as before."
-    )
-    if fallback == "error":
-        raise UnsupportedError(
-            message + " (fallback='error': drop sow_weights, or get the attention with "
-            "fallback='warn')"
-        )
-    if fallback != "silent":
-        warn(message, FallbackWarning)
-
-
-def _dense(call: AttentionCall, q: jax.Array, k: jax.Array, v: jax.Array,
-           mask: jax.Array | None, bias: jax.Array | None,
-           precision: Any = None) -> tuple[jax.Array, jax.Array]:
-    """The contract's attention, materialised: ``call`` as bound (causal and window
-    aligned bottom-right, mask, bias, GQA; no softcap, ids or lengths, which the
-    adapter never passes). q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk,
-    Hkv, Dv]`` -> out ``[B, Tq, Hq, Dv]`` float32 and weights ``[B, Hq, Tq, Tk]``
-    float32, out = weights @ v; a row with no visible key has zero weights.
-    ``precision`` is flax's, for both matmuls, as flax's own attention uses it."""
-    f32 = jnp.float32
-    kk, vv = (jnp.repeat(x.astype(f32), call.group, axis=2) for x in (k, v))
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(f32), kk, precision=precision) * call.scale
-    if bias is not None:
-        s = s + bias.astype(f32)
-    row = jnp.arange(call.q_len)[:, None] + call.offset
-    col = jnp.arange(call.kv_len)[None, :]
-    visible = jnp.ones((call.q_len, call.kv_len), bool)
-    left, right = call.window or (None, None)
-    if call.causal:
-        visible &= col <= row
-    if left is not None:
-        visible &= col >= row - left
-    if right is not None:
-        visible &= col <= row + right
-    if mask is not None:
-        visible = visible & mask
-    # Softmax over visible keys; the max is a constant shift (no gradient), and a
-    # row that sees nothing gets zeros, never NaN.
-    peak = jax.lax.stop_gradient(
-        jnp.max(jnp.where(visible, s, -jnp.inf), -1, keepdims=True, initial=-jnp.inf)
-    )
-    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
-    total = p.sum(-1, keepdims=True)
-    weights = p / jnp.where(total > 0, total, 1.0)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, vv, precision=precision), weights
-
-
-def _sow(module: Any, weights: jax.Array) -> None:
-    """Sow ``weights`` where flax's own ``dot_product_attention`` does: linen's
-    ``"intermediates"`` collection; nnx reads that name as ``nnx.Intermediate``
-    (flax 0.12.8 and 0.12.12), where its own attention sows."""
-    module.sow("intermediates", "attention_weights", weights)

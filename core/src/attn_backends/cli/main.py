@@ -4,75 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from ..contract.capabilities import DTYPES
-from ..contract.environment import expected
 from ..contract.errors import AttnBackendsError
 from . import report as _report
-
-T = TypeVar("T")
-
-
-def _argument(parse: Callable[[str], T], accepts: str) -> Callable[[str], T]:
-    """An argparse type: ``parse``, whose ValueError reads like the contract's
-    (:func:`~attn_backends.contract.environment.expected`); argparse names the
-    flag: ``argument --heads: expected an integer >= 1, got '0'``."""
-
-    def convert(text: str) -> T:
-        try:
-            return parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(expected(accepts, text)) from None
-
-    convert.__name__ = accepts  # what argparse would show for any other error
-    return convert
-
-
-def _at_least_1(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
-
-
-def _above_0(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(text)
-    return value
-
-
-def _ints(count: int) -> Callable[[str], tuple[int, ...]]:
-    def parse(text: str) -> tuple[int, ...]:
-        values = tuple(int(x) for x in text.split(","))
-        if len(values) != count:
-            raise ValueError(text)
-        return values
-
-    return _argument(parse, f"{count} comma-separated integers like 1,128,8,64")
-
-
-def _window_sides(text: str) -> tuple[int | None, int | None]:
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise ValueError(text)
-    left, right = (int(p) if p.strip() not in ("", "none", "None") else None for p in parts)
-    return left, right
-
-
-def _lengths(text: str) -> list[int]:
-    return [_at_least_1(x) for x in text.split(",")]
-
-
-_positive = _argument(_at_least_1, "an integer >= 1")
-_window = _argument(_window_sides, "LEFT,RIGHT: two integers, either may be empty")
-_softcap = _argument(_above_0, "a number > 0")
-_seq = _argument(_lengths, "comma-separated lengths >= 1 like 512,1024")
-_margin = _argument(_above_0, "a fraction > 0 like 0.05")
+from .call_flags import add_call_flags, call_arguments, ints, margin, positive, seq_lengths
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -161,43 +100,6 @@ def cmd_explain_paged(args: argparse.Namespace) -> int:
         window=args.window, max_q_len=args.max_q_len)
     print(explanation.to_json() if args.json else explanation)
     return 0 if explanation.chosen else 1
-
-
-def call_arguments(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """q, k, v (ShapeDtypeStructs in ``args.layout``) and the keyword arguments of
-    the call the flags of :func:`add_call_flags` describe."""
-    import jax
-    import jax.numpy as jnp
-
-    if args.layout == "BHTD":
-        (b, hq, tq, _), (bk, _, tk, dk) = args.q, args.kv
-    else:
-        (b, tq, hq, _), (bk, tk, _, dk) = args.q, args.kv
-    dv = args.dv if args.dv is not None else dk
-    dtype = jnp.dtype(args.dtype)
-    sds = jax.ShapeDtypeStruct
-    # q, k, v in the layout given (the attention transposes them); the rest is
-    # the same in both.
-    q, k, v = sds(args.q, dtype), sds(args.kv, dtype), sds((*args.kv[:3], dv), dtype)
-    kwargs: dict[str, Any] = {
-        "causal": args.causal,
-        "window": args.window,
-        "softcap": args.softcap,
-        "return_lse": args.return_lse,
-    }
-    if args.segment_ids:
-        kwargs["segment_ids"] = (sds((b, tq), jnp.int32), sds((bk, tk), jnp.int32))
-    if args.q_lengths:
-        kwargs["q_lengths"] = sds((b,), jnp.int32)
-    if args.kv_lengths:
-        kwargs["kv_lengths"] = sds((b,), jnp.int32)
-    if args.mask:
-        kwargs["mask"] = sds((b, hq, tq, tk), jnp.bool_)
-    if args.key_mask:
-        kwargs["mask"] = sds((b, 1, 1, tk), jnp.bool_)
-    if args.bias:
-        kwargs["bias"] = sds((b, hq, tq, tk), dtype)
-    return q, k, v, kwargs
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -389,26 +291,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_call_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags describing a dense call besides --q and --kv (explain, tune)."""
-    parser.add_argument("--layout", default="BTNH", choices=("BTNH", "BHTD"),
-                        help="the axis order of --q and --kv (default: BTNH)")
-    parser.add_argument("--dv", type=_positive, default=None, help="value head dim (default: D)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--window", type=_window, default=None, metavar="LEFT,RIGHT")
-    parser.add_argument("--segment-ids", action="store_true")
-    parser.add_argument("--q-lengths", action="store_true")
-    parser.add_argument("--kv-lengths", action="store_true")
-    masks = parser.add_mutually_exclusive_group()
-    masks.add_argument("--mask", action="store_true", help="a dense [B,Hq,Tq,Tk] bool mask")
-    masks.add_argument("--key-mask", action="store_true",
-                        help="a key mask [B,1,1,Tk] (padding, a decode cache's filled part)")
-    parser.add_argument("--bias", action="store_true", help="a dense [B,Hq,Tq,Tk] bias")
-    parser.add_argument("--softcap", type=_softcap, default=None)
-    parser.add_argument("--return-lse", action="store_true")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attn-backends", description="Inspect and choose JAX attention backends."
@@ -420,19 +302,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_exp = sub.add_parser("explain", help="every backend's verdict for a call")
     p_exp.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
-    p_exp.add_argument("--q", type=_ints(4), metavar="B,Tq,Hq,D",
+    p_exp.add_argument("--q", type=ints(4), metavar="B,Tq,Hq,D",
                        help="q's shape (B,Hq,Tq,D with --layout BHTD); not with --paged")
-    p_exp.add_argument("--kv", type=_ints(4), metavar="B,Tk,Hkv,D",
+    p_exp.add_argument("--kv", type=ints(4), metavar="B,Tk,Hkv,D",
                        help="k's shape (B,Hkv,Tk,D with --layout BHTD); not with --paged")
     p_exp.add_argument("--paged", action="store_true",
                        help="a paged KV-cache call: --heads, --head-dim, --page-size "
                             "[--max-q-len], with --dtype, --softcap, --window LEFT,")
-    p_exp.add_argument("--heads", type=_ints(2), default=None, metavar="HQ,HKV",
+    p_exp.add_argument("--heads", type=ints(2), default=None, metavar="HQ,HKV",
                        help="with --paged: query and kv heads")
-    p_exp.add_argument("--head-dim", type=_positive, default=None, help="with --paged: D")
-    p_exp.add_argument("--page-size", type=_positive, default=None,
+    p_exp.add_argument("--head-dim", type=positive, default=None, help="with --paged: D")
+    p_exp.add_argument("--page-size", type=positive, default=None,
                        help="with --paged: positions per page")
-    p_exp.add_argument("--max-q-len", type=_positive, default=None,
+    p_exp.add_argument("--max-q-len", type=positive, default=None,
                        help="with --paged: most query rows per sequence (1: decode)")
     add_call_flags(p_exp)
     p_exp.add_argument("--tuning", default=None, metavar="TABLE",
@@ -465,9 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_tune = sub.add_parser(
         "tune", help="time every backend that may serve a call here; write a tuning table")
     p_tune.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
-    p_tune.add_argument("--q", type=_ints(4), metavar="B,Tq,Hq,D",
+    p_tune.add_argument("--q", type=ints(4), metavar="B,Tq,Hq,D",
                         help="q's shape (B,Hq,Tq,D with --layout BHTD)")
-    p_tune.add_argument("--kv", type=_ints(4), metavar="B,Tk,Hkv,D",
+    p_tune.add_argument("--kv", type=ints(4), metavar="B,Tk,Hkv,D",
                         help="k's shape (B,Hkv,Tk,D with --layout BHTD)")
     add_call_flags(p_tune)
     passes = p_tune.add_mutually_exclusive_group()
@@ -480,10 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_tune.add_argument("--out", default=None, metavar="TABLE",
                         help="the table to write or merge into (default: the cache "
                         "folder's, which selection reads when nothing else is named)")
-    p_tune.add_argument("--rounds", type=_positive, default=7)
-    p_tune.add_argument("--runs", type=_positive, default=3, help="runs per round")
-    p_tune.add_argument("--warmup", type=_positive, default=2)
-    p_tune.add_argument("--margin", type=_margin, default=0.05,
+    p_tune.add_argument("--rounds", type=positive, default=7)
+    p_tune.add_argument("--runs", type=positive, default=3, help="runs per round")
+    p_tune.add_argument("--warmup", type=positive, default=2)
+    p_tune.add_argument("--margin", type=margin, default=0.05,
                         help="how much faster a backend must be than the priority choice")
     p_tune.add_argument("--json", action="store_true", help="print the entries as JSON")
     p_tune.set_defaults(func=cmd_tune)
@@ -491,13 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench = sub.add_parser("bench", help="time installed backends on this device")
     p_bench.add_argument("--device", default=None, help="cpu, gpu or tpu (default: JAX's default)")
     p_bench.add_argument("--backends", default=None, help="comma-separated names (default: all)")
-    p_bench.add_argument("--seq", type=_seq, default="512,1024,2048",
+    p_bench.add_argument("--seq", type=seq_lengths, default="512,1024,2048",
                          help="sequence lengths, comma-separated")
-    p_bench.add_argument("--heads", type=_positive, default=8)
-    p_bench.add_argument("--head-dim", type=_positive, default=64)
+    p_bench.add_argument("--heads", type=positive, default=8)
+    p_bench.add_argument("--head-dim", type=positive, default=64)
     p_bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p_bench.add_argument("--no-causal", action="store_true")
-    p_bench.add_argument("--reps", type=_positive, default=5)
+    p_bench.add_argument("--reps", type=positive, default=5)
     p_bench.add_argument("--decode", action="store_true",
                          help="time decode steps (one query, GQA 4, kv_lengths) against caches "
                          "of the --seq lengths, with each backend's share of the jnp.sum "

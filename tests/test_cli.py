@@ -181,3 +181,10 @@ def test_bench_refuses_what_it_cannot_time(capsys, monkeypatch, argv, message):
         code = exc.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_distributed_takes_address_count_and_process(capsys):
+    assert main(["--distributed", "127.0.0.1:1234,two,0", "list"]) == 2
+    err = capsys.readouterr().err
+    assert "--distributed: expected ADDRESS,COUNT,PROCESS" in err
+    assert "'127.0.0.1:1234,two,0'" in err

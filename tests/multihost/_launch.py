@@ -1,5 +1,6 @@
 """Start COUNT worker processes on 127.0.0.1, joined by jax.distributed, and
-collect each one's RESULT line (tests/multihost/_worker.py)."""
+collect each one's RESULT line (tests/multihost/_worker.py); the command line in
+COUNT processes; and what the tests ask of the results (one choice, one error)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,54 @@ def run(tmp: Path, count: int, scenario: str, *, env: Sequence[Mapping[str, str]
         assert lines, f"process {i} printed no RESULT (exit {procs[i].returncode}):\n{text[-3000:]}"
         results.append({**json.loads(lines[-1][len("RESULT "):]), "output": text})
     return results, seconds
+
+
+def run_cli(tmp: Path, count: int, args: Sequence[str], timeout_s: float = 180,
+            ) -> list[tuple[int, str]]:
+    """``attn-backends --distributed 127.0.0.1:PORT,COUNT,I ARGS`` in ``count``
+    processes at once (a fresh cache each): each one's exit status and output."""
+    port = _free_port()
+    command = Path(sys.executable).with_name("attn-backends")
+    procs = [subprocess.Popen(
+        [str(command), "--distributed", f"127.0.0.1:{port},{count},{i}", *args],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "ATTN_BACKENDS_CACHE_DIR": str(tmp / f"c{i}")},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(count)]
+    try:
+        return [(p.wait(timeout=timeout_s), p.communicate()[0]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+def single_process_choice() -> str:
+    """What one process alone chooses for the workers' plain call."""
+    import attn_backends as ab
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 32, 4, 16)).astype(np.float32) for _ in range(3))
+    return ab.registry.get().explain(q, k, v, causal=True).chosen
+
+
+def one_choice(results: list[dict]) -> str:
+    """The one backend every process was served by, for every call; fails naming
+    each process's choices otherwise."""
+    for r in results:
+        assert r.get("error") is None, f"process {r['process']}: {r['error']}\n{r.get('trace')}"
+    choices = {name for r in results for name in r["chosen"].values()}
+    assert len(choices) == 1, "processes chose differently: " + "; ".join(
+        f"process {r['process']}: {r['chosen']}" for r in results)
+    return choices.pop()
+
+
+def one_error(results: list[dict]) -> str:
+    """The one AgreementError message every process raised."""
+    errors = {tuple(r["error"]) if r.get("error") else None for r in results}
+    assert len(errors) == 1 and None not in errors, [r.get("error") for r in results]
+    kind, message = errors.pop()
+    assert kind == "AgreementError", message
+    return message

@@ -295,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attn-backends", description="Inspect and choose JAX attention backends."
     )
+    parser.add_argument(
+        "--distributed", nargs="?", const="auto", metavar="ADDRESS,COUNT,PROCESS",
+        help="join a multi-process JAX run first (jax.distributed.initialize): alone, as "
+             "JAX finds its peers on Cloud TPU, SLURM, Kubernetes or MPI; or the coordinator "
+             "address, the number of processes and this one's index, e.g. "
+             "10.0.0.1:1234,4,0. Run the same command on every process: they agree on "
+             "each choice (docs/MANY_CHIPS.md, \"Many hosts\")")
     sub = parser.add_subparsers(dest="command", required=True)
     p_list = sub.add_parser("list", help="installed backends, their manifests and load problems")
     p_list.add_argument("--json", action="store_true", help="machine-readable output")
@@ -396,6 +403,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _join(spec: str) -> None:
+    """``jax.distributed.initialize`` for ``--distributed`` ("auto", or ADDRESS,COUNT,PROCESS)."""
+    import jax
+
+    if spec == "auto":
+        jax.distributed.initialize()
+        return
+    parts = spec.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts[1:]):
+        raise ValueError(f"--distributed: expected ADDRESS,COUNT,PROCESS (e.g. "
+                         f"10.0.0.1:1234,4,0) or nothing, got {spec!r}")
+    jax.distributed.initialize(coordinator_address=parts[0], num_processes=int(parts[1]),
+                               process_id=int(parts[2]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Split at "--" here: argparse cannot take `check NAME --quick -- -k x`
@@ -411,6 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"arguments after -- are extra pytest arguments, only for check: {extra}")
         args.pytest_args = [*args.pytest_args, *extra]
     try:
+        if args.distributed is not None:
+            _join(args.distributed)
         return int(args.func(args))
     except (AttnBackendsError, ValueError) as exc:
         print(f"attn-backends {args.command}: {exc}", file=sys.stderr)

@@ -1,0 +1,31 @@
+"""Many hosts (docs/MANY_CHIPS.md, "Many hosts"): every call kind served on every
+process of a real multi-process run (127.0.0.1, jax.distributed over gloo, 2 cpu
+devices each, the default registry with probes on), against the float64 oracle
+and the single-process choice; and the command line on every process."""
+
+from __future__ import annotations
+
+import pytest
+
+from multihost._launch import one_choice, run, run_cli, single_process_choice
+
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize(("count", "shared"), [(2, False), (4, True)])
+def test_every_process_serves_plain_sharded_ring_and_paged_calls(tmp_path, count, shared):
+    results, _ = run(tmp_path, count, "serve", shared_cache=shared)
+    assert one_choice(results) == single_process_choice()
+    for r in results:
+        assert set(r["worst"]) == {"plain", "sharded", "ring", "paged", "flax"}
+        assert max(r["worst"].values()) < TOLERANCE, r["worst"]
+
+
+def test_the_command_line_lists_explains_and_checks_on_every_process(tmp_path):
+    call = ["--device", "cpu", "--q", "2,32,4,16", "--kv", "2,32,4,16", "--causal"]
+    for args, seen in ((["list"], "xla_native"),
+                       (["explain", *call], "hosts: 2 processes agree on xla_native"),
+                       (["check", "reference", "--quick", "--", "-k", "decode"],
+                        "conformance: PASSED")):
+        for status, output in run_cli(tmp_path / args[0], 2, args):
+            assert status == 0 and seen in output, output[-2000:]

@@ -110,19 +110,36 @@ class Engine:
     batch is padded to static shapes: ``max_seqs`` table rows of ``seq /
     page_size`` pages, and the rows (tokens) to a power of two, so the step
     compiles once per row bucket.
+
+    With ``mesh``, every layer's attention and cache are split by kv heads over
+    its axis ``heads_axis`` (``shard_paged_heads``: each device attends its own
+    heads, no collective); the mesh may span the devices of every process of a
+    multi-process run, each process running the same engine on the same requests.
     """
 
     def __init__(self, params: nnx.State, vocab: int, *, cfg: Any = CONFIG, page_size: int = 4,
                  num_pages: int = 32, max_seqs: int = 4, chunk_budget: int = 8,
                  device: Any = None, backend: str | None = None,
-                 registry: attn_backends.Registry | None = None):
+                 registry: attn_backends.Registry | None = None, mesh: Any = None,
+                 heads_axis: str = "tp"):
         registry = registry if registry is not None else attn_backends.registry
+        self._by_heads: Any = lambda x: x  # where each device's heads are: one device
         self.cfg, self.page_size, self.max_seqs = cfg, page_size, max_seqs
         self.chunk_budget = chunk_budget
         # Selection happens here, once: the cache is made in the chosen backend's layout.
         self.paged = registry.get_paged(
             device=device, backend=backend, num_q_heads=cfg.heads, num_kv_heads=cfg.kv_heads,
             head_dim=cfg.d_model // cfg.heads, page_size=page_size, dtype="float32")
+        if mesh is not None:
+            from attn_backends.parallel.paged import shard_paged_heads
+
+            self.paged = shard_paged_heads(self.paged, mesh, heads_axis)
+            # The same weights on every device of the mesh, whichever process holds it.
+            everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            params = jax.tree.map(lambda x: jax.device_put(np.asarray(x), everywhere), params)
+            by_heads = jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(None, heads_axis, None))
+            self._by_heads = functools.partial(jax.reshard, out_shardings=by_heads)
         self.caches = tuple(self.paged.init_cache(num_pages) for _ in range(cfg.layers))
         self.free = list(range(num_pages))[::-1]  # pop() hands out page 0 first
         self.table_width = -(-cfg.seq // page_size)
@@ -153,6 +170,7 @@ class Engine:
             h = block.norm1(x)
             attn = block.attn
             q, k, v = attn.query(h), attn.key(h), attn.value(h)       # [T, H(kv), D]
+            q, k, v = (self._by_heads(x) for x in (q, k, v))
             cache = self.paged.write(cache, k, v, slots)             # write, then attend
             x = x + attn.out(self.paged(q, cache, batch))
             x = block.feed_forward(x)

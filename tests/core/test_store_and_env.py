@@ -55,6 +55,12 @@ def _tuning() -> object:
     return table_path(None)
 
 
+def _agree_timeout() -> object:
+    from attn_backends.parallel.hosts import agree_timeout_s
+
+    return agree_timeout_s()
+
+
 #: Each ATTN_BACKENDS_* variable core reads: how it is read, and what it takes.
 SETTINGS = {
     "ATTN_BACKENDS_ONLY": (_discover, "comma-separated backend names like reference,xla_native"),
@@ -64,6 +70,7 @@ SETTINGS = {
     "ATTN_BACKENDS_CACHE_DIR": (_cache, "an absolute directory path (~ allowed)"),
     "ATTN_BACKENDS_PROBE_BUDGET_S": (_probe_budget, "a number of seconds > 0"),
     "ATTN_BACKENDS_TUNING": (_tuning, "the path of a tuning table (attn-backends tune --out)"),
+    "ATTN_BACKENDS_AGREE_TIMEOUT_S": (_agree_timeout, "a number of seconds > 0"),
 }
 
 BAD_VALUES = [
@@ -78,6 +85,8 @@ BAD_VALUES = [
     ("ATTN_BACKENDS_PROBE_BUDGET_S", "-5"),
     ("ATTN_BACKENDS_PROBE_BUDGET_S", "nan"),
     ("ATTN_BACKENDS_PROBE_BUDGET_S", "inf"),
+    ("ATTN_BACKENDS_AGREE_TIMEOUT_S", "soon"),
+    ("ATTN_BACKENDS_AGREE_TIMEOUT_S", "0"),
 ]
 
 

@@ -57,12 +57,7 @@ def run(tmp: Path, count: int, scenario: str, *, env: Sequence[Mapping[str, str]
                 raise AssertionError(f"{scenario}: a process still ran after {timeout_s} s "
                                      "(a hang)") from None
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+        _reap(procs)
     seconds = time.monotonic() - start
     results = []
     for i, text in enumerate(outputs):
@@ -86,14 +81,20 @@ def run_cli(tmp: Path, count: int, args: Sequence[str], timeout_s: float = 180,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "ATTN_BACKENDS_CACHE_DIR": str(tmp / f"c{i}")},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(count)]
     try:
-        return [(p.wait(timeout=timeout_s), p.communicate()[0]) for p in procs]
+        outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+        _reap(procs)
+    return [(p.returncode, text) for p, text in zip(procs, outputs, strict=True)]
+
+
+def _reap(procs: Sequence[subprocess.Popen]) -> None:
+    """Kill what still runs (a hang, or the silent process) and close every pipe."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def single_process_choice() -> str:

@@ -17,7 +17,7 @@ def test_every_process_serves_plain_sharded_ring_and_paged_calls(tmp_path, count
     results, _ = run(tmp_path, count, "serve", shared_cache=shared)
     assert one_choice(results) == single_process_choice()
     for r in results:
-        assert set(r["worst"]) == {"plain", "sharded", "ring", "paged", "flax"}
+        assert set(r["worst"]) == {"plain", "sharded", "ring", "paged", "flax", "serving"}
         assert max(r["worst"].values()) < TOLERANCE, r["worst"]
 
 

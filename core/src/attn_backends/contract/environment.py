@@ -5,6 +5,7 @@ the ``ATTN_BACKENDS_*`` settings."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from collections.abc import Callable
@@ -158,6 +159,15 @@ def env_setting(name: str, parse: Callable[[str], T], *, accepts: str, default: 
 
 _FLAG_WORDS = {"0": False, "false": False, "no": False, "off": False,
                "1": True, "true": True, "yes": True, "on": True}
+
+
+def seconds(text: str) -> float:
+    """A duration setting: a finite number > 0 (``float`` raises ValueError for what
+    is not a number); :func:`env_setting`'s ``parse`` for ``*_S`` variables."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(text)
+    return value
 
 
 def _flag(text: str) -> bool:

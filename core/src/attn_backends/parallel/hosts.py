@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import socket
 import threading
 import time
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..choose.select import Explanation, Verdict
-from ..contract.environment import env_setting
+from ..contract.environment import env_setting, seconds
 from ..contract.errors import AgreementError, AgreementWarning, warn
 
 #: Seconds a process waits in all for the others' offers of one selection.
@@ -59,16 +58,9 @@ class KeyValueStore(Protocol):
     def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
 
 
-def _timeout(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(text)
-    return value
-
-
 def agree_timeout_s() -> float:
     """``ATTN_BACKENDS_AGREE_TIMEOUT_S``: seconds one selection waits for every offer."""
-    return env_setting("ATTN_BACKENDS_AGREE_TIMEOUT_S", _timeout,
+    return env_setting("ATTN_BACKENDS_AGREE_TIMEOUT_S", seconds,
                        accepts="a number of seconds > 0", default=DEFAULT_TIMEOUT_S)
 
 

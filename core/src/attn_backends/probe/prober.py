@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time
@@ -36,7 +35,7 @@ from typing import Any
 
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, bind, bindable
-from ..contract.environment import device_kind, env_setting, versions
+from ..contract.environment import device_kind, env_setting, seconds, versions
 from ..contract.paged import PagedCall
 from . import call as _probe_call
 from . import certificates as _certificates
@@ -53,14 +52,6 @@ DEFAULT_BUDGET_S = 120.0
 MEMORY_CACHE_SIZE = 1024
 
 _SAMPLE_HEAD_DIMS = (64, 128, 32, 256, 16, 8)
-
-
-def _seconds(text: str) -> float:
-    """A finite number > 0 (``float`` raises ValueError for what is not a number)."""
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(text)
-    return value
 
 
 def _head_dim(backend: Backend) -> int:
@@ -201,7 +192,7 @@ class Prober:
         self._runner = runner
         self._paged_runner = paged_runner
         self.budget_s = budget_s if budget_s is not None else env_setting(
-            "ATTN_BACKENDS_PROBE_BUDGET_S", _seconds, accepts="a number of seconds > 0",
+            "ATTN_BACKENDS_PROBE_BUDGET_S", seconds, accepts="a number of seconds > 0",
             default=DEFAULT_BUDGET_S)
         self._memory: OrderedDict[str, ProbeVerdict] = OrderedDict()
         self._lock = threading.Lock()

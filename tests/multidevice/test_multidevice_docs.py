@@ -17,6 +17,8 @@ def _many_chips_example(path: Path) -> str:
     text = path.read_text()
     if path.name == "README.md":
         text = text.split("## Many chips", 1)[1].split("\n## ", 1)[0]
+    else:  # "Many hosts" shows a launch on a pod, which needs its hosts to run
+        text = text.split("\n## Many hosts", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(blocks) == 1, f"{path.name}: the 'Many chips' part has one runnable example"
     return blocks[0]

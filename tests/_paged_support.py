@@ -55,6 +55,11 @@ __all__ = ["BAD_INDEX", "PS", "PagedCase", "PagedCases", "make_paged_backend", "
 
 #: Page size of :class:`PagedCases`: small, so a few tokens cross several pages.
 PS = 4
+#: ``test_lengths_around_a_page``'s key lengths, as (pages, extra) with
+#: kv_len = pages * page_size + extra: 1, ps - 1, ps, ps + 1, 3 ps + 2, 9 ps + 3.
+LENGTHS = [(0, 1), (1, -1), (1, 0), (1, 1), (3, 2), (9, 3)]
+#: :meth:`PagedCases.paged`'s attentions, by class and call.
+_ATTENTIONS: dict[tuple[Any, ...], Any] = {}
 
 
 
@@ -121,11 +126,19 @@ class PagedCases:
         return case
 
     def paged(self, **call: Any) -> Any:
-        args = dict(num_q_heads=4, num_kv_heads=2, head_dim=self.head_dim,
-                    page_size=self.page_size, dtype=self.dtype, max_q_len=self.max_q_len)
-        options = None if self.options is None else {self.backend: self.options}
-        return ab.registry.get_paged(backend=self.backend, backend_options=options,
-                                     **{**args, **call})
+        """The class's backend for ``call`` (over the class's defaults): one
+        PagedAttention per class, options and call, so the cases of one call and shape run
+        one compiled program (``_jitted_call`` is keyed by the attention)."""
+        args = {**dict(num_q_heads=4, num_kv_heads=2, head_dim=self.head_dim,
+                       page_size=self.page_size, dtype=self.dtype, max_q_len=self.max_q_len),
+                **call}
+        key = (type(self), repr(self.options), tuple(sorted(args.items())),
+               jax.config.jax_enable_x64)
+        if key not in _ATTENTIONS:
+            options = None if self.options is None else {self.backend: self.options}
+            _ATTENTIONS[key] = ab.registry.get_paged(backend=self.backend,
+                                                     backend_options=options, **args)
+        return _ATTENTIONS[key]
 
     @staticmethod
     def run(paged: Any, case: PagedCase) -> np.ndarray:
@@ -154,13 +167,22 @@ class PagedCases:
         assert not out[int(dirty.cu_q_lens[dirty.num_seqs]):].any()
         return out
 
-    # kv_len = pages * page_size + extra: 1, ps - 1, ps, ps + 1, 3 ps + 2, 9 ps + 3.
     # kind (prefill, chunk, decode): pytest_generate_tests.
-    @pytest.mark.parametrize("pages, extra", [(0, 1), (1, -1), (1, 0), (1, 1), (3, 2), (9, 3)])
+    @pytest.mark.parametrize("pages, extra", LENGTHS)
     def test_lengths_around_a_page(self, pages: int, extra: int, kind: str) -> None:
+        # Every length and kind at one shape, that of the longest prefill plus a
+        # padding row (the rest padding rows, spare pages and table columns, all
+        # garbage), as a serving engine pads its batches: one compiled program.
         kv_len = pages * self.page_size + extra
-        q_len = {"prefill": kv_len, "chunk": max(1, kv_len // 2), "decode": 1}[kind]
-        self.agrees([(q_len, kv_len)], pad_rows=1)
+        q_len = self.seqs([({"prefill": kv_len, "chunk": max(1, kv_len // 2),
+                             "decode": 1}[kind], kv_len)])[0][0]
+        longest = max(p * self.page_size + e for p, e in LENGTHS)
+        rows = self.seqs([(longest, longest)])[0][0] + 1
+        pages_needed = -(-kv_len // self.page_size)
+        most_pages = -(-longest // self.page_size)
+        self.agrees([(q_len, kv_len)], pad_rows=rows - q_len,
+                    spare_pages=most_pages - pages_needed + 2,
+                    extra_cols=most_pages - pages_needed + 1)
 
     @pytest.mark.parametrize("order", ["random", "reversed", "shared"])
     def test_page_orders(self, order: str) -> None:

@@ -32,3 +32,20 @@ def isolated_cache(tmp_path, monkeypatch):
     """Probe verdicts and certificates go to a per-test folder, never ~/.cache."""
     monkeypatch.setenv("ATTN_BACKENDS_CACHE_DIR", str(tmp_path / "attn-cache"))
     return tmp_path / "attn-cache"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Test files marked ``slow(seconds=N)`` first, the longest first, then the rest
+    in collection order.
+
+    make test's two workers take one file at a time (``--dist loadfile
+    --no-loadscope-reorder``): with the long files started first, no long file
+    starts last while the other worker has nothing left to run. ``seconds`` is
+    the file's time under make test (its --durations, summed), kept roughly.
+    """
+
+    def seconds(item: pytest.Item) -> float:
+        slow = item.get_closest_marker("slow")
+        return 0.0 if slow is None else float(slow.kwargs.get("seconds", 1))
+
+    items.sort(key=seconds, reverse=True)

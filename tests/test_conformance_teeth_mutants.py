@@ -28,6 +28,9 @@ from pathlib import Path
 
 import pytest
 
+#: Started early under make test's two workers, by its seconds there (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=70)
+
 pytest.importorskip("attn_backend_xla_native")
 
 #: Kernel modules in import order: an edited module is re-executed before the

@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+#: Started early under make test's two workers, by its seconds there (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=41)
+
 pytest.importorskip("attn_backend_xla_native")
 
 _LAUNCHER = r"""

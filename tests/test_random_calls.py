@@ -21,6 +21,9 @@ import pytest
 import random_calls
 from attn_backends.probe import prober as _probe
 
+#: Started early under make test's two workers, by its seconds there (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=155)
+
 #: Calls per process; two processes share the cache: 300 calls in all.
 CALLS = 150
 #: Calls per random signature: one verdict serves them (the last at other lengths).

@@ -17,6 +17,9 @@ import random_calls
 from _support import Plugin, make_backend
 from attn_backends.probe import prober as _probe
 
+#: Started early under make test's two workers, by its seconds there (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=45)
+
 #: Random calls per mutant, each of a new signature with the bug's trigger (its
 #: forced keyword): each is probed, the mutant refused, the next backend served.
 CALLS = 4

@@ -10,6 +10,9 @@ import pytest
 
 from multihost._launch import one_choice, one_error, run, single_process_choice
 
+#: Started early under make test's two workers, by its seconds there (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=85)
+
 #: Short enough that a dead or hung process is reported before JAX's own
 #: heartbeat timeout (100 s) ends the survivors.
 AGREE = {"ATTN_BACKENDS_AGREE_TIMEOUT_S": "10"}

@@ -9,6 +9,9 @@ import pytest
 
 from multihost._launch import one_choice, run, run_cli, single_process_choice
 
+#: Started early under make test's two workers, by its seconds there (tests/conftest.py).
+pytestmark = pytest.mark.slow(seconds=155)
+
 TOLERANCE = 1e-5
 
 

@@ -70,6 +70,12 @@ def _f64(x: Any) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
 
 
+def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` rounded to ``dtype`` on the host (NumPy; ml_dtypes for bfloat16 and
+    float16): an eager jnp cast would compile a program of its own per shape."""
+    return np.asarray(x).astype(jnp.dtype(dtype))
+
+
 def _run(paged: Any, dirty: Any, clean: Any, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """The backend's output on the garbage batch and on its zero-filled twin (one jit)."""
 
@@ -79,14 +85,14 @@ def _run(paged: Any, dirty: Any, clean: Any, dtype: str) -> tuple[np.ndarray, np
     fn = jax.jit(step)
     outs = []
     for case in (dirty, clean):
-        q, k, v = (jnp.asarray(x, dtype) for x in (case.q, case.k_pages, case.v_pages))
+        q, k, v = (jnp.asarray(_cast(x, dtype)) for x in (case.q, case.k_pages, case.v_pages))
         outs.append(np.asarray(fn(q, k, v, case.batch())))
     return outs[0], outs[1]
 
 
 def _expected(paged: Any, clean: Any, dtype: str) -> np.ndarray:
     """The oracle on the clean batch as the backend sees it (rounded to ``dtype``)."""
-    rounded = [_f64(jnp.asarray(x, dtype)) for x in (clean.q, clean.k_pages, clean.v_pages)]
+    rounded = [_f64(_cast(x, dtype)) for x in (clean.q, clean.k_pages, clean.v_pages)]
     call = paged.call
     return paged_attention(*rounded, clean.cu_q_lens, clean.kv_lens, clean.page_table,
                            clean.num_seqs, scale=call.scale, softcap=call.softcap,
@@ -133,8 +139,7 @@ def _store_setup(suite: Any, case: PagedSuiteCase) -> tuple[Any, Any, np.ndarray
     paged = _paged(suite, case)
     batch = _batch_case(case, garbage=False)
     rng = np.random.default_rng(7)
-    k0, v0 = (_f64(jnp.asarray(rng.normal(size=batch.k_pages.shape), case.dtype))
-              for _ in range(2))
+    k0, v0 = (_f64(_cast(rng.normal(size=batch.k_pages.shape), case.dtype)) for _ in range(2))
     return paged, batch, k0, v0
 
 
@@ -151,11 +156,13 @@ def test_paged_write(attn_suite: Any, attn_paged_dtype: Any) -> None:
         # Padding tokens carry NaN and Inf: written anywhere, they show.
         k = np.concatenate([batch.k_rows, np.full((3, hkv, d), np.nan, np.float32)])
         v = np.concatenate([batch.v_rows, np.full((3, hkv, d), np.inf, np.float32)])
-        cache = paged.from_canonical(jnp.asarray(k0, case.dtype), jnp.asarray(v0, case.dtype))
+        cache = paged.from_canonical(jnp.asarray(_cast(k0, case.dtype)),
+                                     jnp.asarray(_cast(v0, case.dtype)))
         cache = jax.jit(paged.write, donate_argnums=0)(
-            cache, jnp.asarray(k, case.dtype), jnp.asarray(v, case.dtype), jnp.asarray(slots))
+            cache, jnp.asarray(_cast(k, case.dtype)), jnp.asarray(_cast(v, case.dtype)),
+            jnp.asarray(slots))
         after = [_f64(x) for x in paged.to_canonical(cache)]
-        wants = [_f64(jnp.asarray(rows, case.dtype)) for rows in (batch.k_rows, batch.v_rows)]
+        wants = [_f64(_cast(rows, case.dtype)) for rows in (batch.k_rows, batch.v_rows)]
     flat = batch.k_pages.shape[0] * case.page_size
     for name, pool, old, want in (("K", after[0], k0, wants[0]), ("V", after[1], v0, wants[1])):
         pool, old = pool.reshape(flat, hkv, d), old.reshape(flat, hkv, d)
@@ -179,7 +186,7 @@ def test_paged_round_trip(attn_suite: Any, attn_paged_dtype: Any) -> None:
     with x64_for(case.dtype):
         paged = _paged(suite, case)
         dirty = _batch_case(case, garbage=True)
-        k, v = (jnp.asarray(x, case.dtype) for x in (dirty.k_pages, dirty.v_pages))
+        k, v = (jnp.asarray(_cast(x, case.dtype)) for x in (dirty.k_pages, dirty.v_pages))
         cache = paged.from_canonical(k, v)
         assert cache.layout == paged.layout, (
             f"{case.id}: from_canonical made a cache in layout {cache.layout!r}, the backend "

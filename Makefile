@@ -109,10 +109,11 @@ test:
 	@rm -f $(STAGE_TIMES); start=$$(date +%s); $(MAKE) test-stages; status=$$?; \
 		$(TIMED) --report $$start; exit $$status
 
-# Stages: the main pytest (the compatibility environment installs beside it);
-# the multidevice tests and certifications on jax 0.12; the compatibility
-# pytest; the jax 0.10 certifications beside the wheel installs (mostly
-# downloads), the longest first.
+# Stages: the main pytest; the multidevice tests and certifications on jax 0.12
+# (the compatibility environment installs beside them: beside the main pytest
+# its pip installs took 151 s against 42 s, and slowed the tests); the
+# compatibility pytest; the jax 0.10 certifications beside the wheel installs
+# (mostly downloads), the longest first.
 test-stages: lint test-main pytest-compat
 	$(MAKE_2) certify-compat-flash_pallas wheels-full certify-compat-xla_native wheels-xla \
 		$(CERTIFY_COMPAT)
@@ -160,11 +161,8 @@ MAKE_2 := $(MAKE) -j2 --output-sync=target
 .PHONY: multidevice wheels-ready wheels-full wheels-xla pytest-main pytest-compat $(CERTIFY_MAIN) \
 	$(CERTIFY_COMPAT)
 
-# The compatibility environment installs beside the main pytest (mostly
-# downloads, little CPU).
-test-main: install
-	$(MAKE_2) pytest-main install-compat
-	$(MAKE_2) certify-main-xla_native multidevice $(CERTIFY_MAIN)
+test-main: pytest-main
+	$(MAKE_2) certify-main-xla_native multidevice install-compat $(CERTIFY_MAIN)
 
 pytest-main: install
 	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25

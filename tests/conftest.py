@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import attn_backends as ab
+import jax
 import pytest
 from _support import Plugin
 from attn_backends import Backend
+
+
+def _compile_once_per_process() -> None:
+    """JAX's persistent compilation cache, in a folder of this process's own.
+
+    Tests build a fresh Registry, probe cache and jitted closure per test, so the
+    same programs (a backend's probe at one signature above all) compile again
+    and again in one process; with the cache each compiles once and loads after.
+    The folder is this process's alone (no two processes ever write one entry,
+    a write JAX does not make atomic) and is deleted at its exit. Subprocesses
+    the tests start compile as before.
+    """
+    folder = tempfile.mkdtemp(prefix="attn-tests-xla-cache-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_compile_once_per_process()
 
 
 @pytest.fixture

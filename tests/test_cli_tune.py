@@ -24,7 +24,12 @@ def two_backends(monkeypatch, tmp_path):
 
     monkeypatch.setenv("ATTN_BACKENDS_ONLY", "reference,xla_native")
     monkeypatch.setenv("ATTN_BACKENDS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(attn_backends._wiring, "registry", attn_backends.Registry())
+    registry = attn_backends.Registry()
+    monkeypatch.setattr(attn_backends._wiring, "registry", registry)
+    # The package's name for it too: a test reading ab.registry would otherwise
+    # make the process's registry discover under this ATTN_BACKENDS_ONLY and keep
+    # that for every later test of the worker.
+    monkeypatch.setattr(attn_backends, "registry", registry)
 
 
 def test_tune_writes_a_table_that_explain_reads(tmp_path, capsys):

@@ -161,8 +161,11 @@ MAKE_2 := $(MAKE) -j2 --output-sync=target
 .PHONY: multidevice wheels-ready wheels-full wheels-xla pytest-main pytest-compat $(CERTIFY_MAIN) \
 	$(CERTIFY_COMPAT)
 
+# The longest jobs first (make -j2 starts them in this order): xla_native's
+# certification, flash_pallas's, reference's, then the short ones.
 test-main: pytest-main
-	$(MAKE_2) certify-main-xla_native multidevice install-compat $(CERTIFY_MAIN)
+	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas certify-main-reference \
+		multidevice install-compat $(CERTIFY_MAIN)
 
 pytest-main: install
 	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25

@@ -75,8 +75,9 @@ class PagedCases:
     as ``Test...`` with ``backend`` (and ``options``, its ``backend_options``).
 
     Every length class around a page, page orders, garbage, batch shapes, GQA,
-    softcap, window, write and the round trip. The batch is traced (one jit per
-    case), so what is checked is the vectorised program a serving loop runs.
+    softcap, window, write and the round trip. The batch is traced (one jitted
+    program per attention and shape, which the cases of one call at one shape
+    share), so what is checked is the vectorised program a serving loop runs.
 
     A backend (or one of its kernels) serving only decode steps sets
     ``max_q_len`` (calls are made with it; each case's sequences get at most that

@@ -4,17 +4,33 @@ COUNT processes; and what the tests ask of the results (one choice, one error)."
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 WORKER = Path(__file__).with_name("_worker.py")
+#: JAX's compilation caches of the processes this (pytest) process starts, one
+#: folder per process rank: the processes of one run compile the same programs
+#: at the same time (so no sharing there), and the next run's process of the
+#: same rank, never running beside it, loads them. Deleted at exit.
+_COMPILE_CACHES = Path(tempfile.mkdtemp(prefix="attn-multihost-xla-cache-"))
+atexit.register(shutil.rmtree, _COMPILE_CACHES, ignore_errors=True)
+
+
+def _compile_cache(rank: int) -> dict[str, str]:
+    """The environment that gives process ``rank`` its compilation cache."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(_COMPILE_CACHES / f"rank{rank}"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def _free_port() -> int:
@@ -43,7 +59,7 @@ def run(tmp: Path, count: int, scenario: str, *, env: Sequence[Mapping[str, str]
         extra = dict(env[i]) if i < len(env) else {}
         procs.append(subprocess.Popen(
             [sys.executable, str(WORKER), str(i), str(count), str(port), scenario],
-            env={**base, "ATTN_BACKENDS_CACHE_DIR": str(cache), **extra},
+            env={**base, **_compile_cache(i), "ATTN_BACKENDS_CACHE_DIR": str(cache), **extra},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     start = time.monotonic()
     outputs = []
@@ -78,7 +94,8 @@ def run_cli(tmp: Path, count: int, args: Sequence[str], timeout_s: float = 180,
     command = Path(sys.executable).with_name("attn-backends")
     procs = [subprocess.Popen(
         [str(command), "--distributed", f"127.0.0.1:{port},{count},{i}", *args],
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "ATTN_BACKENDS_CACHE_DIR": str(tmp / f"c{i}")},
+        env={**os.environ, **_compile_cache(i), "JAX_PLATFORMS": "cpu",
+             "ATTN_BACKENDS_CACHE_DIR": str(tmp / f"c{i}")},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(count)]
     try:
         outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]

@@ -7,7 +7,7 @@ worst error of this process's shards against the float64 oracle, or the error
 it raised (type and message).
 
 Scenarios:
-- ``choose``: one plain call on a device of this process;
+- ``choose``: one plain call, jitted (so every process agrees on it);
 - ``serve``: the plain call, a call sharded over every process's devices (batch
   and heads), ring attention over a sequence axis spanning the processes
   (forward and backward), and heads-sharded paged attention (the write, then a
@@ -18,7 +18,13 @@ Scenarios:
 - ``die``: the last process exits before its call; the others wait for it;
 - ``hang``: the last process sleeps instead of calling; the others wait for it;
 - ``quarantined``: process 1's cache holds a failed verdict for xla_native
-  (written by a prober whose runner reports a wrong answer) before its call.
+  (written by a prober whose runner reports a wrong answer) before its call;
+- ``local``: the plain call on every process, then process 0 alone makes
+  calls of new signatures on its own devices (dense eager, and jitted inside
+  ``attn_backends.local_work()``, forward and gradient; paged got inside it)
+  while the others wait at a barrier, each timed (``seconds``) and checked
+  against the oracle, and two marked calls that span processes (``refused``);
+  then every process makes the jitted call again, agreed.
 
 With ``ATTN_BACKENDS_TEST_ALONE=1`` the registry is built without agreement:
 each process chooses alone (the teeth of the skew tests).
@@ -72,8 +78,10 @@ def choose(result: dict[str, Any]) -> None:
 
     q, k, v = _data(3)
     attention = _registry().get(fallback="silent")
-    out = attention(q, k, v, causal=True)
-    explanation = attention.explain(q, k, v, causal=True)
+    # Jitted: an eager call on this process's arrays would be local work.
+    out = jax.jit(lambda q, k, v: attention(q, k, v, causal=True))(q, k, v)
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    explanation = attention.explain(*shapes, causal=True)
     result["chosen"]["plain"] = explanation.chosen
     result["explain"] = str(explanation)
     result["worst"]["plain"] = float(np.abs(np.asarray(out) - oracle(q, k, v, causal=True)[0])
@@ -213,13 +221,116 @@ def serving(result: dict[str, Any]) -> None:
     result["worst"]["serving"] = float(sum(outputs[i] != alone[i] for i in alone))
 
 
+def _timed(result: dict[str, Any], name: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with its result ready, its seconds in ``result["seconds"]``."""
+    start = time.monotonic()
+    out = jax.block_until_ready(fn(*args))
+    result["seconds"][name] = time.monotonic() - start
+    return out
+
+
+def local(result: dict[str, Any]) -> None:
+    """Process 0's local work while the others wait at a barrier, then the same
+    jitted function on every process (agreed)."""
+    import attn_backends as ab
+    import jax.numpy as jnp
+    import numpy as np
+    from attn_backends.oracle import paged_case
+    from attn_backends_contracts._oracle import attention as oracle
+    from attn_backends_contracts._oracle import attention_vjp as oracle_vjp
+
+    rng = np.random.default_rng(2)
+    q, k, v, d_out = (rng.standard_normal((1, 16, 2, 8)).astype(np.float32) for _ in range(4))
+    attention = _registry().get(fallback="silent")
+
+    def loss(q: Any, k: Any, v: Any, causal: bool) -> Any:
+        out = attention(q, k, v, causal=causal)
+        return jnp.sum(out * d_out), out
+
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    train = jax.jit(grad, static_argnums=3)
+    case = paged_case([(3, 3), (2, 7)], page_size=4, hq=4, hkv=2, d=8, seed=1)
+
+    def paged(attention: Any) -> Any:
+        cache = attention.write(attention.init_cache(case.k_pages.shape[0]), case.k_rows,
+                                case.v_rows, jnp.asarray(case.slots))
+        return attention(jnp.asarray(case.q), cache, case.batch())
+
+    def worst(got: Any, causal: bool) -> float:
+        grads, out = got
+        want = [oracle(q, k, v, causal=causal)[0],
+                *list(oracle_vjp(q, k, v, d_out, causal=causal).values())[:3]]
+        return max(float(np.abs(np.asarray(g) - w).max())
+                   for g, w in zip((out, *grads), want, strict=True))
+
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if jax.process_index() == 0:
+        alone = result["local"] = {}
+        try:
+            out = _timed(result, "eager", lambda: attention(q, k, v))
+            alone["eager"] = float(np.abs(np.asarray(out) - oracle(q, k, v)[0]).max())
+            alone["eager grad"] = worst(_timed(result, "eager grad", grad, q, k, v, False),
+                                        False)
+            result["local explain"] = str(attention.explain(q, k, v))
+            with ab.local_work():
+                alone["jit grad"] = worst(_timed(result, "jit grad", train, q, k, v, True), True)
+                local_paged = _timed(result, "get_paged", lambda: _registry().get_paged(
+                    num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32",
+                    fallback="silent"))
+                alone["paged"] = float(np.abs(np.asarray(_timed(
+                    result, "paged", paged, local_paged)) - case.expected()).max())
+                result["refused"] = _spanning_calls(attention, q)
+        finally:  # the others go on only when this process is done, failed or not
+            client.wait_at_barrier("attn-test-local", 120_000)
+    else:
+        client.wait_at_barrier("attn-test-local", 120_000)
+    # Every process again: the jitted function process 0 traced as local work
+    # is traced again here (local_work() is in jit's key), and agreed.
+    result["worst"]["jit grad"] = worst(train(q, k, v, True), True)
+    result["chosen"]["jit grad"] = attention.explain(
+        *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)], causal=True).chosen
+
+
+def _spanning_calls(attention: Any, q: Any) -> dict[str, list[str] | None]:
+    """Two calls marked local that span processes, each's error (type, message):
+    eager on arrays over every process's devices, and jitted under the mesh
+    (jax.sharding.set_mesh) of every process's devices."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((jax.device_count(),), ("dp",))
+    wide = np.concatenate([q] * jax.device_count())
+    spread = jax.make_array_from_callback(wide.shape, NamedSharding(mesh, P("dp")),
+                                          lambda i: wide[i])
+    refused: dict[str, list[str] | None] = {}
+
+    def eager() -> Any:
+        return attention(spread, spread, spread)
+
+    def traced() -> Any:
+        with jax.sharding.set_mesh(mesh):
+            return jax.jit(lambda q: attention(q, q, q))(q)
+
+    for name, call in (("eager", eager), ("jit", traced)):
+        try:
+            call()
+            refused[name] = None
+        except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+            refused[name] = [type(exc).__name__, str(exc)]
+    return refused
+
+
 def main(process: int, count: int, port: int, scenario: str) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=count,
                                process_id=process, initialization_timeout=60)
     # Every process's backend starts together (the cpu client's start is itself
     # a meeting of all processes): a process dies or hangs after it, at its call.
     jax.devices()
-    result: dict[str, Any] = {"process": process, "chosen": {}, "worst": {}, "error": None}
+    result: dict[str, Any] = {"process": process, "chosen": {}, "worst": {}, "seconds": {},
+                              "error": None}
     try:
         if scenario == "die" and process == count - 1:
             os._exit(3)
@@ -227,8 +338,8 @@ def main(process: int, count: int, port: int, scenario: str) -> None:
             time.sleep(3600)
         if scenario == "quarantined" and process == 1:
             _quarantine("xla_native")
-        steps = [choose] if scenario != "serve" else [choose, sharded, ring, paged, train_step,
-                                                          serving]
+        steps = {"serve": [choose, sharded, ring, paged, train_step, serving],
+                 "local": [choose, local]}.get(scenario, [choose])
         for step in steps:
             step(result)
     except Exception as exc:  # noqa: BLE001 - reported to the test, which judges it

@@ -7,6 +7,7 @@ Public surface only; the implementation lives in the layer packages (``contract`
 from ._wiring import Registry, registry
 from .choose.attention import Attention
 from .choose.discovery import LoadProblem, Origin
+from .choose.local import local_work
 from .choose.select import Explanation, Verdict, select
 from .contract.backend import ENTRY_POINT_GROUP, Backend, hookimpl
 from .contract.call import API_VERSION, FEATURES, AttentionCall, Operands, bind
@@ -76,6 +77,7 @@ __all__ = [
     "bind",
     "env_flag",
     "hookimpl",
+    "local_work",
     "platform_name",
     "registry",
     "select",

@@ -10,6 +10,8 @@ back from here only :class:`SingleDevice`, the callables it needs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
@@ -32,7 +34,8 @@ from ..contract.errors import (
 )
 from .discovery import Origin
 from .dispatch import Served, by_pass, empty_result, unavailable_message
-from .select import Agree, Explanation, Measured, Probe, Tuning, select
+from .local import is_local, sharding_of
+from .select import LOCAL_WORK, Agree, Explanation, Measured, Probe, Tuning, select
 
 #: Distinct call signatures one Attention remembers; older ones are evicted.
 SELECTION_CACHE_SIZE = 512
@@ -91,7 +94,12 @@ class SingleDevice:
       cache ``key`` (a layout), running ``explain()`` and the fallback policy on
       first sight only;
     - ``served(backend)``: that backend bound as core calls every backend;
-    - ``backend(name)``: a registered backend by name.
+    - ``backend(name)``: a registered backend by name;
+    - ``on(mesh)``: this selection for the call laid out on ``mesh``, which
+      decides, with the operands, whether it is local work (choose/local.py).
+
+    ``explain`` and ``choose`` select as local work or agreed, as the call's
+    operands (and ``on``'s mesh) say.
     """
 
     platforms: tuple[str, ...]
@@ -99,6 +107,7 @@ class SingleDevice:
     choose: Callable[[AttentionCall, Hashable, Callable[[], Explanation]], Backend]
     served: Callable[[Backend], Served]
     backend: Callable[[str], Backend]
+    on: Callable[[Any], SingleDevice]
 
 
 class Backends(Protocol):
@@ -129,16 +138,6 @@ class ParallelLayer(Protocol):
 
     def explain(self, single: SingleDevice, request: Hashable | None, call: AttentionCall,
                 q: Any, k: Any, v: Any) -> Explanation: ...
-
-
-def sharding_of(x: Any) -> Any:
-    """The sharding of a concrete array, ShapeDtypeStruct or (under jit) tracer, or None."""
-    if isinstance(x, jax.core.Tracer):
-        try:
-            return jax.typeof(x).sharding
-        except Exception:  # noqa: BLE001 - an aval without sharding: nothing to learn
-            return None
-    return getattr(x, "sharding", None)
 
 
 def is_sharded(x: Any) -> bool:
@@ -207,10 +206,10 @@ class Attention:
         #: The tuning table asked for (None: ATTN_BACKENDS_TUNING or the cache's).
         self.tuning = tuning
         # Keyed by the registry's generation too, so a reload or register()
-        # is seen by Attention objects made before it.
-        self._selections: OrderedDict[tuple[int, str, AttentionCall, Hashable], Backend] = (
-            OrderedDict()
-        )
+        # is seen by Attention objects made before it; and by whether it was
+        # local work, so a choice made alone never serves a call all agree on.
+        self._selections: OrderedDict[tuple[int, str, AttentionCall, Hashable, bool],
+                                      Backend] = OrderedDict()
         self._lock = threading.Lock()
         # Held while a new signature is selected, so threads tracing the same
         # signature at once select, probe and warn once (others wait for it).
@@ -224,19 +223,21 @@ class Attention:
 
     def explain_call(
         self, call: AttentionCall, call_for: Callable[[Backend], AttentionCall] | None = None,
-        platform: str | None = None, grad: bool = False, **judging: Any,
+        platform: str | None = None, grad: bool = False, *, local: bool = False,
+        **judging: Any,
     ) -> Explanation:
         """Verdicts for an already-bound call on ``platform`` (default: the first
         platform; ``call_for`` and ``judging`` (``calls_for``, ``reasons_for``): see
         :func:`select`), the tuning table's entry for the call forward (or, with
         ``grad``, forward and backward) consulted. In a multi-process run the
-        processes agree on the choice (docs/MANY_CHIPS.md, "Many hosts")."""
+        processes agree on the choice (docs/MANY_CHIPS.md, "Many hosts") unless
+        it is ``local`` work, chosen by this process alone ("Local work")."""
         platform = self.platform if platform is None else platform
         backends = self.registry.backends
         if self.backend_name is not None:
             backends = {self.backend_name: self.registry.backend(self.backend_name)}
         origins = self.registry.origins
-        agree = self.registry.agree if process_count() > 1 else None
+        agree = self.registry.agree if process_count() > 1 and not local else None
         explanation = select(
             call,
             platform,
@@ -252,6 +253,8 @@ class Attention:
             probe_all=agree is not None,
             **judging,
         )
+        if local:
+            return dataclasses.replace(explanation, agreement=LOCAL_WORK)
         if agree is None:
             return explanation
         # What names this selection in every process: the call and everything
@@ -276,26 +279,30 @@ class Attention:
         tuning table timed its backward pass to another winner."""
         if self.layout == "BHTD":
             q, k, v = _to_contract_layout(q, k, v)
-        call, _ = bind(q, k, v, **kwargs)
+        call, operands = bind(q, k, v, **kwargs)
+        where = functools.partial(self._is_local, call, q, k, v, operands)
         if self._goes_parallel(q):
-            return self._parallel_layer().explain(self._single_device(), self.sharding,
+            return self._parallel_layer().explain(self._single_device(where), self.sharding,
                                                   call, q, k, v)
-        return self.explain_call(call, grad=grad and self._tuned_apart(call, self.platform))
+        return self.explain_call(call, grad=grad and self._tuned_apart(call, self.platform),
+                                 local=where(None))
 
     def backend_for(self, call: AttentionCall, platform: str | None = None,
-                    grad: bool = False) -> Backend:
+                    grad: bool = False, *, local: bool = False) -> Backend:
         """The backend serving ``call`` on ``platform`` (default: the first),
         selecting on first sight; with ``grad``, the one serving it when it is
-        differentiated (another only when a tuning table says so)."""
+        differentiated (another only when a tuning table says so); with
+        ``local``, the one this process chooses alone for its local work."""
         platform = self.platform if platform is None else platform
         return self._choose(call, "grad" if grad else None,
-                            lambda: self.explain_call(call, platform=platform, grad=grad),
-                            platform)
+                            lambda: self.explain_call(call, platform=platform, grad=grad,
+                                                      local=local),
+                            platform, local=local)
 
     def _choose(self, call: AttentionCall, key: Hashable, explain: Callable[[], Explanation],
-                platform: str | None = None) -> Backend:
+                platform: str | None = None, *, local: bool = False) -> Backend:
         platform = self.platform if platform is None else platform
-        cache_key = (self.registry.generation, platform, call, key)
+        cache_key = (self.registry.generation, platform, call, key, local)
         cached = self._cached(cache_key)
         if cached is not None:
             return cached
@@ -310,7 +317,7 @@ class Attention:
                     self._selections.popitem(last=False)
         return chosen
 
-    def _cached(self, key: tuple[int, str, AttentionCall, Hashable]) -> Backend | None:
+    def _cached(self, key: tuple[int, str, AttentionCall, Hashable, bool]) -> Backend | None:
         with self._lock:
             cached = self._selections.get(key)
             if cached is not None:
@@ -319,7 +326,7 @@ class Attention:
 
     def _apply_policy(self, call: AttentionCall, explanation: Explanation,
                       platform: str) -> Backend:
-        if explanation.chosen is None and explanation.agreement is not None:
+        if explanation.disagreed:
             raise AgreementError(explanation.agreement)
         if explanation.chosen is None:
             reasons = {v.backend: list(v.reasons) for v in explanation.verdicts}
@@ -392,6 +399,7 @@ class Attention:
             q, jax.core.Tracer
         ):
             raise PlatformUnavailableError(unavailable_message([p for p, _ in self.platforms]))
+        where = functools.partial(self._is_local, call, q, k, v, operands)
         if self._goes_parallel(q):
             if "dropout" in call.features:
                 # Each device would draw its shard's mask from the same key and
@@ -401,12 +409,13 @@ class Attention:
                     "single device only, not for sharded or ring attention; apply "
                     "dropout outside attention there, or call it unsharded"
                 )
-            return self._parallel_layer().run(self._single_device(), self.sharding,
+            return self._parallel_layer().run(self._single_device(where), self.sharding,
                                               call, q, k, v, operands)
-        served = {p: self.backend_for(call, platform=p) for p, _ in self.platforms}
+        local = where(None)
+        served = {p: self.backend_for(call, platform=p, local=local) for p, _ in self.platforms}
         forward = Served.of(served, self.backend_options)
-        trained = {p: self.backend_for(call, platform=p, grad=True) for p, _ in self.platforms
-                   if self._tuned_apart(call, p)}
+        trained = {p: self.backend_for(call, platform=p, grad=True, local=local)
+                   for p, _ in self.platforms if self._tuned_apart(call, p)}
         if not trained or all(trained[p] is served[p] for p in trained):
             return forward(call, q, k, v, operands)
         # A table measured another backend fastest forward and backward: the
@@ -436,11 +445,27 @@ class Attention:
             )
         return self._parallel()
 
-    def _single_device(self) -> SingleDevice:
+    def _is_local(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
+                  mesh: Any = None) -> bool:
+        """Whether ``call`` on these operands (laid out on ``mesh``) is local work,
+        chosen by this process alone (choose/local.py); never on one process,
+        where nothing is agreed."""
+        if process_count() == 1:
+            return False
+        arrays = {"q": q, "k": k, "v": v,
+                  **{name: x for name, x in operands._asdict().items() if x is not None}}
+        meshes = [] if mesh is None else [(mesh, "the mesh it is laid out on")]
+        return is_local(f"attention {call.describe()}", arrays, meshes)
+
+    def _single_device(self, where: Callable[[Any], bool], mesh: Any = None) -> SingleDevice:
+        """The selection callables for the parallel layer; ``where(mesh)`` says
+        whether the call laid out on ``mesh`` is local work."""
+        local = where(mesh)
         return SingleDevice(
             platforms=tuple(p for p, _ in self.platforms),
-            explain=self.explain_call,
-            choose=self._choose,
+            explain=functools.partial(self.explain_call, local=local),
+            choose=lambda call, key, explain: self._choose(call, key, explain, local=local),
             served=self.served,
             backend=self.registry.backend,
+            on=functools.partial(self._single_device, where),
         )

@@ -28,6 +28,7 @@ from ..contract.errors import (
 from ..contract.paged import KVCache, PagedBackend, PagedBatch, PagedCall
 from ..contract.paged_bind import check_attend, check_batch_values, check_cache, check_write
 from .dispatch import on_platforms, unavailable_message
+from .local import require_local, spans
 from .select import Explanation, Verdict, rank
 
 #: ``probe(backend, call, platform, options) -> reasons`` for paged calls (None:
@@ -94,7 +95,7 @@ def select_paged(call: PagedCall, platform: str, backends: Sequence[Backend], *,
 def choose_paged(explanation: Explanation, *, pinned: str | None, fallback: str) -> str:
     """The chosen backend's name under the fallback policy, or the error saying why none."""
     call, platform = explanation.call, explanation.platform
-    if explanation.chosen is None and explanation.agreement is not None:
+    if explanation.disagreed:
         raise AgreementError(explanation.agreement)
     if explanation.chosen is None:
         reasons = {v.backend: list(v.reasons) for v in explanation.verdicts}
@@ -156,11 +157,13 @@ class PagedAttention:
 
     ``init_cache(num_pages)``, ``write(cache, k, v, slots)`` and
     ``__call__(q, cache, batch)``: see docs/DESIGN.md, "Paged attention".
-    ``explanation`` holds every backend's verdict from selection.
+    ``explanation`` holds every backend's verdict from selection. ``local``: got
+    inside ``attn_backends.local_work()`` in a multi-process run, chosen by this
+    process alone, so it refuses arrays that JAX knows span processes.
     """
 
     def __init__(self, call: PagedCall, backend: Backend, explanation: Explanation, *,
-                 present: bool, options: Any = None):
+                 present: bool, options: Any = None, local: bool = False):
         assert isinstance(backend, PagedBackend)
         self.call = call
         self.backend = backend
@@ -168,6 +171,7 @@ class PagedAttention:
         self.explanation = explanation
         self.present = present
         self.options = options
+        self.local = local
         self.layout = backend.cache_layout(call)
         self._guard = _no_gradient(backend.name)
 
@@ -185,6 +189,11 @@ class PagedAttention:
         :func:`on_platforms`, as for dense calls."""
         if not self.present and not isinstance(x, jax.core.Tracer):
             raise PlatformUnavailableError(unavailable_message([self.explanation.platform]))
+
+    def _require_local(self, what: str, arrays: dict[str, Any]) -> None:
+        """Refuse a local paged attention's ``what`` on arrays that span processes."""
+        if self.local:
+            require_local(f"paged attention {self.call.describe()} ({what})", spans(arrays))
 
     def _on_platform(self, fn: Callable[..., Any], placeholder: Callable[..., Any],
                      *args: Any) -> Any:
@@ -210,6 +219,8 @@ class PagedAttention:
         page_size + offset``; negative: padding, writes nothing). Functional: jit it
         with ``donate_argnums`` for the cache to update in place."""
         self._require_present(k)
+        self._require_local("write", {"k": k, "v": v, "slots": slots,
+                                      **{f"cache[{i}]": a for i, a in enumerate(cache.arrays)}})
         self._check_cache(cache)
         check_write(self.call, k, v, slots)
         known = _concrete(slots)
@@ -230,6 +241,8 @@ class PagedAttention:
         """q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` in q's dtype; rows past
         ``cu_q_lens[num_seqs]`` are zeros."""
         self._require_present(q)
+        self._require_local("call", {"q": q, **{f"cache[{i}]": a
+                                                for i, a in enumerate(cache.arrays)}})
         self._check_cache(cache)
         check_attend(self.call, q, batch)
         batch = PagedBatch(*(jnp.asarray(x, jnp.int32) for x in batch[:3]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ..contract.backend import Backend
 from ..contract.errors import AttnBackendsWarning, UnknownBackendError, warn
 from .discovery import Discovered, LoadProblem, Origin, Settings, discover
-from .select import Agree, Explanation, Probe, Tuning
+from .select import LOCAL_WORK, Agree, Explanation, Probe, Tuning
 
 if TYPE_CHECKING:
     from .attention import Attention, ParallelLayer
@@ -290,7 +291,8 @@ class Registry:
                                                    backend_options)
         chosen = choose_paged(explanation, pinned=backend, fallback=fallback)
         return PagedAttention(call, self.backend(chosen), explanation, present=present,
-                              options=(backend_options or {}).get(chosen))
+                              options=(backend_options or {}).get(chosen),
+                              local=explanation.agreement == LOCAL_WORK)
 
     def explain_paged(self, device: Any = None, backend: str | None = None,
                       prefer: str | Sequence[str] | None = None, **call: Any) -> Explanation:
@@ -305,6 +307,7 @@ class Registry:
                        fallback: str, backend_options: Mapping[str, Any] | None,
                        ) -> tuple[Explanation, bool]:
         from ..contract.environment import process_count, resolve_all
+        from .local import marked
         from .paged import select_paged
 
         if fallback not in FALLBACK_MODES:
@@ -323,7 +326,9 @@ class Registry:
                 warn(f"{what}: {', '.join(map(repr, unknown))} not installed (installed: "
                      f"{', '.join(sorted(self.backends)) or 'none'}); ignored",
                      AttnBackendsWarning)
-        agree = self.agree if process_count() > 1 else None
+        # No arrays to judge yet: local work only where marked (choose/local.py).
+        local = process_count() > 1 and marked()
+        agree = self.agree if process_count() > 1 and not local else None
         explanation = select_paged(
             call, platform, list(candidates.values()), jax_version=_jax_version(),
             present=present, prefer=prefer,
@@ -335,6 +340,8 @@ class Registry:
             question = ("paged", call, platform, backend, prefer,
                         tuple(sorted(backend_options or {})))
             explanation = agree(explanation, question)
+        if local:
+            explanation = dataclasses.replace(explanation, agreement=LOCAL_WORK)
         return explanation, present
 
     @property

@@ -46,6 +46,10 @@ Tuning = Callable[[Any, AttentionCall, str, bool, Mapping[str, Backend]], "Measu
 Agree = Callable[["Explanation", Any], "Explanation"]
 
 
+#: ``Explanation.agreement`` of a multi-process run's call chosen by its process
+#: alone: local work, on that process's devices only (choose/local.py).
+LOCAL_WORK = "local work, not agreed"
+
 #: What ``explain`` says of a backend given a key mask as segment ids.
 KEY_MASK_NOTE = "key mask rewritten as segment ids"
 
@@ -82,8 +86,14 @@ class Explanation:
     #: What a tuning table said of this call (None: no table was consulted).
     measured: Measured | None = None
     #: How the processes of a multi-process run agreed on ``chosen``, or why they
-    #: could not (None: one process, nothing to agree).
+    #: could not, or :data:`LOCAL_WORK` (None: one process, nothing to agree).
     agreement: str | None = None
+
+    @property
+    def disagreed(self) -> bool:
+        """Whether ``agreement`` says why the processes found no common backend
+        (then ``chosen`` is None)."""
+        return self.chosen is None and self.agreement not in (None, LOCAL_WORK)
 
     @property
     def passed_over(self) -> tuple[Verdict, ...]:

@@ -37,7 +37,8 @@ def run(single: SingleDevice, request: ShardingRequest | None, call: AttentionCa
     if layout is None:  # a request that names no mesh axis these inputs use
         backend = single.choose(call, None, lambda: single.explain(call))
         return single.served(backend)(call, q, k, v, operands)
-    return sharded_attention(single, call, layout, q, k, v, operands)
+    # Local work only when the mesh it runs on is this process's too.
+    return sharded_attention(single.on(layout.mesh), call, layout, q, k, v, operands)
 
 
 def explain(single: SingleDevice, request: ShardingRequest | None, call: AttentionCall,
@@ -46,5 +47,5 @@ def explain(single: SingleDevice, request: ShardingRequest | None, call: Attenti
     layout = resolve_layout(request, q, k, v)
     if layout is None:
         return single.explain(call)
-    return explain_sharded(single, call, layout)
+    return explain_sharded(single.on(layout.mesh), call, layout)
 

@@ -273,7 +273,11 @@ class Hosts:
                         f"agreeing on a backend for {what}: no offer from process(es) "
                         f"{missing} within {self.timeout_s:g} s (ATTN_BACKENDS_AGREE_TIMEOUT_S)"
                         ": they died, hang, or trace another program. Every process must "
-                        "make the same attention calls") from exc
+                        "make the same attention calls, except local work: a call only this "
+                        "process makes (e.g. under `if jax.process_index() == 0:`) on its "
+                        "own devices. Make it, or trace it, inside `with "
+                        "attn_backends.local_work():` to choose its backend here alone "
+                        "(docs/MANY_CHIPS.md, \"Local work\")") from exc
                 raise AgreementError(
                     f"agreeing on a backend for {what}: process {process} lost JAX's "
                     f"coordination service while waiting for process {other}: "

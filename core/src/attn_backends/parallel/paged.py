@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..choose.local import require_local, spans
 from ..choose.paged import PagedAttention, choose_paged, select_paged
 from ..contract.paged import KVCache, PagedBatch, PagedCall
 
@@ -151,6 +152,9 @@ def shard_paged_heads(paged: PagedAttention, mesh: Any, axis: str) -> HeadsShard
     """
     if axis not in mesh.shape:
         raise ValueError(f"axis: expected one of the mesh's axes {list(mesh.shape)}, got {axis!r}")
+    if paged.local:
+        require_local(f"paged attention {paged.call.describe()} split over {axis!r}",
+                      spans({}, [(mesh, "the mesh")]))
     n = int(mesh.shape[axis])
     call = paged.call
     if call.kv_heads % n:

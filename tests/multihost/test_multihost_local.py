@@ -11,7 +11,7 @@ import pytest
 from multihost._launch import one_choice, run, single_process_choice
 
 #: Started early under make test's two workers, by its seconds there (tests/conftest.py).
-pytestmark = pytest.mark.slow(seconds=40)
+pytestmark = pytest.mark.slow(seconds=45)
 
 TOLERANCE = 1e-5
 #: Without local work chosen locally each of process 0's calls would wait this
@@ -27,7 +27,7 @@ def test_process_0_alone_is_served_its_local_work_while_the_other_waits(tmp_path
     # Before and after process 0's local work, every process agrees.
     assert one_choice(results) == single_process_choice()
     for r in results:
-        assert set(r["chosen"]) == {"plain", "jit grad", "paged"}
+        assert set(r["chosen"]) == {"plain", "jit grad"}
         assert max(r["worst"].values()) < TOLERANCE, r["worst"]
     first = results[0]
     assert set(first["seconds"]) == LOCAL_CALLS and max(first["seconds"].values()) < 10, \

@@ -60,7 +60,8 @@ class Registry(choosing.Registry):
     ``probe(backend, call, platform, options) -> reasons``. Sharded inputs and
     ``get(mesh=, spec=, sequence_axis=)`` are served by the parallel layer. In a
     multi-process run every process agrees on each choice
-    (:class:`attn_backends.parallel.hosts.Hosts`; docs/MANY_CHIPS.md, "Many hosts").
+    (:class:`attn_backends.parallel.hosts.Hosts`; docs/MANY_CHIPS.md, "Many hosts")
+    but local work, which each chooses alone (``attn_backends.local_work()``).
     """
 
     def __init__(

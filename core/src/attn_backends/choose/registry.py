@@ -280,6 +280,11 @@ class Registry:
         pages of ``page_size`` positions, ``dtype``; ``scale`` (default
         ``head_dim ** -0.5``), ``softcap``, ``window=(left, None)``; ``max_q_len``
         the most query rows one sequence has in a batch (None: any).
+
+        In a multi-process run the processes agree on the backend, unless it is
+        got inside ``attn_backends.local_work()``: then this process chooses it
+        alone, and it refuses arrays that span processes (docs/MANY_CHIPS.md,
+        "Local work").
         """
         from ..contract.paged_bind import bind_paged
         from .paged import PagedAttention, choose_paged

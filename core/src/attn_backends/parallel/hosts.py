@@ -4,7 +4,8 @@ Each host of a TPU pod slice or GPU cluster runs one JAX process, and every
 process traces the same SPMD program: if two chose different backends for one
 call they would compile different programs, and the run would hang in a
 collective or compute garbage. So when ``jax.process_count() > 1`` every
-selection (dense, paged, the flax adapter's, explain's) ends here:
+selection (dense, paged, the flax adapter's, explain's) but local work (a call
+on this process's devices only: ``attn_backends.choose.local``) ends here:
 
 1. this process judges every backend for the call (manifest, ``check``, probe on
    a device of its own: ``select(probe_all=True)``) and publishes its *offer*,

@@ -6,6 +6,8 @@ same with real processes (test_multihost_local.py)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import attn_backends as ab
@@ -19,6 +21,7 @@ from attn_backends.choose import registry as choosing
 from attn_backends.choose.local import is_local, spans
 from attn_backends.choose.select import LOCAL_WORK
 from attn_backends.contract import environment
+from attn_backends.oracle import paged_case
 from attn_backends.parallel.hosts import Hosts
 from attn_backends_contracts._oracle import attention as oracle
 
@@ -92,19 +95,33 @@ def test_paged_attention_got_inside_local_work_is_chosen_here(two):
     assert store.published == []
     with pytest.raises(ab.AgreementError, match="local_work"):
         registry.get_paged(**PAGED)
+    # Local for its lifetime: traced under a mesh of more devices than here, refused.
+    case = paged_case([(2, 3)], page_size=4, hq=4, hkv=2, d=8)
+    cache = paged.write(paged.init_cache(case.k_pages.shape[0]), case.k_rows, case.v_rows,
+                        case.slots)
+    batch = case.batch()
+    with _larger_mesh() as size, pytest.raises(ab.UnsupportedError, match=(
+            rf"paged attention .* \(call\) is local work .* the abstract mesh in context has "
+            f"{size} devices")):
+        jax.jit(paged.__call__)(case.q, cache, batch)
+
+
+@contextlib.contextmanager
+def _larger_mesh() -> Iterator[int]:
+    """An abstract mesh in context of more devices than this process has: its size."""
+    size = jax.local_device_count() + 1
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((size,), ("x",))):
+        yield size
 
 
 def test_a_marked_call_on_a_mesh_larger_than_this_process_is_refused(two):
     registry, _ = two
     attention = registry.get(device="cpu")
     q, k, v = qkv(b=1, tq=4, tk=4, hq=2, hkv=2, d=8)
-    size = jax.local_device_count() + 1
-    with ab.local_work(), jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((size,), ("x",))):
-        with pytest.raises(ab.UnsupportedError, match=(
-                f"is local work .* spans processes: the abstract mesh in context has {size} "
-                f"devices, more than this process's {size - 1}")):
-            jax.jit(lambda q: attention(q, k, v))(q)
+    with ab.local_work(), _larger_mesh() as size, pytest.raises(ab.UnsupportedError, match=(
+            f"is local work .* spans processes: the abstract mesh in context has {size} "
+            f"devices, more than this process's {size - 1}")):
+        jax.jit(lambda q: attention(q, k, v))(q)
 
 
 def _on_process_1() -> SimpleNamespace:

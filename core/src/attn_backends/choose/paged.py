@@ -190,9 +190,12 @@ class PagedAttention:
         if not self.present and not isinstance(x, jax.core.Tracer):
             raise PlatformUnavailableError(unavailable_message([self.explanation.platform]))
 
-    def _require_local(self, what: str, arrays: dict[str, Any]) -> None:
-        """Refuse a local paged attention's ``what`` on arrays that span processes."""
+    def _require_local(self, what: str, cache: Any, **arrays: Any) -> None:
+        """Refuse a local paged attention's ``what`` on ``arrays`` or ``cache``
+        (checked after this) that span processes, before anything is traced."""
         if self.local:
+            arrays.update({f"cache[{i}]": a
+                           for i, a in enumerate(getattr(cache, "arrays", ()))})
             require_local(f"paged attention {self.call.describe()} ({what})", spans(arrays))
 
     def _on_platform(self, fn: Callable[..., Any], placeholder: Callable[..., Any],
@@ -219,8 +222,7 @@ class PagedAttention:
         page_size + offset``; negative: padding, writes nothing). Functional: jit it
         with ``donate_argnums`` for the cache to update in place."""
         self._require_present(k)
-        self._require_local("write", {"k": k, "v": v, "slots": slots,
-                                      **{f"cache[{i}]": a for i, a in enumerate(cache.arrays)}})
+        self._require_local("write", cache, k=k, v=v, slots=slots)
         self._check_cache(cache)
         check_write(self.call, k, v, slots)
         known = _concrete(slots)
@@ -241,8 +243,7 @@ class PagedAttention:
         """q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` in q's dtype; rows past
         ``cu_q_lens[num_seqs]`` are zeros."""
         self._require_present(q)
-        self._require_local("call", {"q": q, **{f"cache[{i}]": a
-                                                for i, a in enumerate(cache.arrays)}})
+        self._require_local("call", cache, q=q)
         self._check_cache(cache)
         check_attend(self.call, q, batch)
         batch = PagedBatch(*(jnp.asarray(x, jnp.int32) for x in batch[:3]),

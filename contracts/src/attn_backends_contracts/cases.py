@@ -153,9 +153,10 @@ MAGNITUDE = (
 # base head dim where 64 is not claimed, smaller), so float32 holds each logit
 # to its ulp at 16, 2**-19, instead of 2**-23 near 1 as standard normal inputs
 # do; the weights spread over many keys and out, dv sit far from 0. The peer's
-# shapes (256 queries against 8 keys and back, batch 2, 4 heads), then causal
-# GQA over 300 queries and keys (several default tiles of the tiled kernels,
-# Tq == Tk for kernels that serve only that).
+# shapes (256 queries against 8 keys and back, batch 2, 4 heads; 8 queries
+# reach xla_native's decode path), then causal GQA over 300 queries and keys
+# (several default blocks of the tiled kernels' forward, Tq == Tk for kernels
+# that serve only that); the tiles twins cut each into many tiles.
 SAME_SIGN = (
     _c("same_sign", "q256k8-b2", batch=2, q_len=256, kv_len=8, q_heads=4, kv_heads=4,
        head_dim=64, inputs="positive", lse=True, quick=True),

@@ -56,7 +56,8 @@ the worst per-element error any backend of this repository reaches there
 tolerance), with a floor of 1e-5 (see the
 comment at ``_F32_EXACT``). Large same-sign logits (the suite's
 ``same_sign`` family) have a float32 CPU row of their own for dk and dv,
-:data:`INPUT_ROWS`, also measured (the worst in-repo error is 0.2 of it). The suites above are far looser for float32
+:data:`INPUT_ROWS`, also measured (the worst in-repo error is 0.2 of it).
+The suites above are far looser for float32
 (PyTorch's rtol 1.3e-6 is per element but its atol 1e-5 is absolute; splash
 runs at TPU precision), so they are not the source of these numbers.
 ``docs/FAULTS_COVERAGE.md`` of the repository lists the figures and the

@@ -25,7 +25,9 @@ class Case:
     False) and the key masks "key" ``[B,1,1,Tk]``, "key_shared" ``[1,1,1,Tk]``
     and "key_empty" (``[B,1,1,Tk]``, example 1 sees no key). ``inputs``:
     "normal", "large" (q, k scaled by 1e3), "equal" (every key identical:
-    equal logits), "garbage" (invisible keys hold ``GARBAGE``).
+    equal logits), "positive" (q, k, v uniform in [1, 2): large same-sign
+    logits, 15 to 20 at head dim 64), "garbage" (invisible keys hold
+    ``GARBAGE``).
     ``lse``: request ``return_lse`` when the backend claims it (the
     ``return_lse`` feature itself is ``return_lse``). ``tiles``: run under the
     backend's ``tile_small_options(call)`` instead of its default options.

@@ -90,6 +90,10 @@ def make_inputs(case: Case) -> dict[str, Any]:
     v = rng.standard_normal((b, tk, hkv, dv))
     if case.inputs == "large":
         q, k = q * 1e3, k * 1e3
+    elif case.inputs == "positive":
+        # Same-sign inputs (a peer's test, tokamax's): every logit large and
+        # positive, weights spread over many keys, outputs and dv far from 0.
+        q, k, v = (rng.uniform(1.0, 2.0, x.shape) for x in (q, k, v))
     elif case.inputs == "equal":
         k = np.broadcast_to(k[:, :1], k.shape).copy()
     elif case.inputs == "garbage" and case.kv_lengths is not None:

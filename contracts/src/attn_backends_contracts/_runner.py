@@ -185,7 +185,7 @@ def _outcome(case: Case, data: dict[str, Any], primal: Any, grads: Any, differen
     expected = oracle(case, data, differentiable)
     errors, mismatches = {}, {}
     for name, value in actual.items():
-        tol = tolerance(case.dtype, name, platform=platform)
+        tol = tolerance(case.dtype, name, platform=platform, inputs=case.inputs)
         errors[name] = normalised_error(value, expected[name], tol)
         # Ill-conditioned in float32 for flash-style backward passes: see
         # GRADIENT_FINITE_ONLY_INPUTS for the written reason.

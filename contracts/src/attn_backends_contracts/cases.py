@@ -148,6 +148,23 @@ MAGNITUDE = (
     _c("magnitude", "large-causal-q7k19", inputs="large", causal=True, q_len=7, kv_len=19),
     _c("magnitude", "equal", inputs="equal", lse=True),
 )
+# Large same-sign logits, from a peer's suite (tokamax's test_small_sequences):
+# q, k, v uniform in [1, 2) at head dim 64 give logits of 15 to 20 (at the
+# base head dim where 64 is not claimed, smaller), so float32 holds each logit
+# to its ulp at 16, 2**-19, instead of 2**-23 near 1 as standard normal inputs
+# do; the weights spread over many keys and out, dv sit far from 0. The peer's
+# shapes (256 queries against 8 keys and back, batch 2, 4 heads; 8 queries
+# reach xla_native's decode path), then causal GQA over 300 queries and keys
+# (several default blocks of the tiled kernels' forward, Tq == Tk for kernels
+# that serve only that); the tiles twins cut each into many tiles.
+SAME_SIGN = (
+    _c("same_sign", "q256k8-b2", batch=2, q_len=256, kv_len=8, q_heads=4, kv_heads=4,
+       head_dim=64, inputs="positive", lse=True, quick=True),
+    _c("same_sign", "q8k256-b2", batch=2, q_len=8, kv_len=256, q_heads=4, kv_heads=4,
+       head_dim=64, inputs="positive"),
+    _c("same_sign", "causal-gqa-q300k300", q_len=300, kv_len=300, q_heads=2, kv_heads=1,
+       head_dim=64, causal=True, inputs="positive"),
+)
 # Over 1,000 tokens, prime lengths (no power of two divides them): several
 # default-sized blocks of any tiled kernel, forward and backward, causal or not.
 LONG = (
@@ -190,8 +207,8 @@ DROPOUT = (
 TABLES: dict[str, tuple[Case, ...]] = {
     t[0].family: t
     for t in (SHAPES, BLOCKS, GQA, CAUSAL, WINDOW, SEGMENT_IDS, LENGTHS, MASK, BIAS,
-              SOFTCAP, RETURN_LSE, COMBINED, MASKED_ROWS, KEY_MASK, MAGNITUDE, RAGGED, DECODE,
-              LONG)
+              SOFTCAP, RETURN_LSE, COMBINED, MASKED_ROWS, KEY_MASK, MAGNITUDE, SAME_SIGN, RAGGED,
+              DECODE, LONG)
 }
 
 #: Cases repeated in every claimed dtype besides the primary one ((family, name)).

@@ -105,3 +105,14 @@ def test_engine_decodes_what_each_request_decodes_alone(backend, model, requests
     assert sorted(engine.free) == list(range(NUM_PAGES)), "pages not all returned"
     # Rows are padded to a few static sizes: one compiled program per size.
     assert engine._step._cache_size() == len({rec.rows for rec in engine.records}) <= 2
+
+    # The summary the demo ends with. Every row that ran held a prompt token or a
+    # generated one fed back (each request's last token is not).
+    summary = serve.summarize(engine, requests, outputs)
+    prompt_tokens = sum(prompt.values())
+    assert (summary.requests, summary.new_tokens, summary.prompt_tokens) == (5, 40, prompt_tokens)
+    assert summary.row_occupancy == (prompt_tokens + 40 - 5) / sum(r.rows for r in engine.records)
+    assert 0 < summary.seq_occupancy <= 1 and summary.steps == len(engine.records)
+    assert 0 < summary.step_seconds < max(r.seconds for r in engine.records)
+    line = summary.line()
+    assert line.startswith("summary: 40 tokens served") and f"backend {backend} (" in line

@@ -289,9 +289,9 @@ class Engine:
 @dataclass(frozen=True)
 class Summary:
     """What an engine served: new tokens and prompt tokens, over ``steps`` steps;
-    occupancy, the mean share of each step's padded rows that held tokens and of
-    its ``max_seqs`` sequence slots that held requests; the median wall time of a
-    step that compiled nothing (the first step of each row bucket compiles)."""
+    batch occupancy over all steps, the share of the padded rows that held tokens
+    and of the ``max_seqs`` sequence slots that held requests; the median wall time
+    of a step that compiled nothing (the first step of each row bucket compiles)."""
 
     requests: int
     new_tokens: int
@@ -326,8 +326,8 @@ def summarize(engine: Engine, requests: Sequence[Request],
         new_tokens=sum(map(len, outputs.values())),
         prompt_tokens=sum(len(r.prompt) for r in requests),
         steps=len(records),
-        row_occupancy=float(np.mean([sum(n for *_, n in r.work) / r.rows for r in records])),
-        seq_occupancy=float(np.mean([len(r.work) / engine.max_seqs for r in records])),
+        row_occupancy=sum(n for r in records for *_, n in r.work) / sum(r.rows for r in records),
+        seq_occupancy=sum(len(r.work) for r in records) / (len(records) * engine.max_seqs),
         step_seconds=float(np.median(warm or [r.seconds for r in records])),
         backend=engine.backend, layout=engine.paged.layout)
 

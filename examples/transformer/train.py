@@ -164,13 +164,13 @@ class Trainer:
     opt_state: Any
 
 
-def optimizer(cfg: Config, steps: int) -> optax.GradientTransformation:
-    """Adam at ``cfg.learning_rate``, shaped by ``cfg.schedule`` over a run of ``steps``."""
+def learning_rate(cfg: Config, steps: int) -> float | optax.Schedule:
+    """``cfg.learning_rate`` shaped by ``cfg.schedule`` over a run of ``steps`` steps."""
     if cfg.schedule == "constant":
-        return optax.adam(cfg.learning_rate)
+        return cfg.learning_rate
     if cfg.schedule == "warmup_cosine":
-        return optax.adam(optax.warmup_cosine_decay_schedule(
-            0.0, cfg.learning_rate, steps // 10, steps, cfg.learning_rate / 20))
+        return optax.warmup_cosine_decay_schedule(
+            0.0, cfg.learning_rate, steps // 10, steps, cfg.learning_rate / 20)
     raise ValueError(f"Config.schedule: expected one of {SCHEDULES}, got {cfg.schedule!r}")
 
 
@@ -183,7 +183,7 @@ def trainer(
     attention = attention_for(backend, registry, tuning)
     abstract = nnx.eval_shape(lambda: Model(cfg, vocab, attention, nnx.Rngs(0)))
     graphdef, _ = nnx.split(abstract, nnx.Param)
-    tx = optimizer(cfg, steps)
+    tx = optax.adam(learning_rate(cfg, steps))
 
     def loss_fn(params: nnx.State, batch: jax.Array) -> jax.Array:
         logits = nnx.merge(graphdef, params)(batch[:, :-1])

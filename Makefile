@@ -230,4 +230,5 @@ test-gpu: install
 	$(PY) benchmarks/bench_gpu.py
 
 clean:
-	rm -rf $(VENV) $(VENV_COMPAT) $(CERTS) .attn-cache $(DIST) .stage-times
+	rm -rf $(VENV) $(VENV_COMPAT) $(CERTS) .attn-cache $(DIST) .stage-times \
+		examples/transformer/checkpoints

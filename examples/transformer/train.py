@@ -68,8 +68,8 @@ class Config:
 
 #: The model examples/serving serves: the architecture above, 32 positions (a
 #: prompt and its new tokens), trained on batches of 32 with a decaying rate
-#: until its greedy completions read like the corpus (loss about 0.7; 300 steps
-#: take about 20 s on 2 cpu cores).
+#: until its greedy completions read like the corpus (loss about 0.7; the run,
+#: compiling included, takes about 25 s of cpu time).
 SERVING = Config(seq=32, batch=32, learning_rate=4e-3, schedule="warmup_cosine")
 SERVING_STEPS = 300
 SERVING_CHECKPOINT = os.path.join(HERE, "checkpoints", "serving.npz")

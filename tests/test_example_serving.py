@@ -6,7 +6,8 @@ steps apart into a pool too small for all of them at once, so requests wait
 for pages and reuse the pages of those that left; each step packs decode rows
 and prefill chunks (at most 8 prompt tokens a step) into one ragged batch. Run
 on every backend that serves this paged call on cpu (the Pallas ones in
-interpret mode, when they declare paged support).
+interpret mode, when they declare paged support). The summary line the demo
+ends with counts what the engine served.
 """
 
 from __future__ import annotations

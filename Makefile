@@ -95,11 +95,13 @@ install: $(STAMP)
 
 install-compat: $(STAMP_COMPAT)
 
+# train.py --serving trains the model serve.py serves into a checkpoint that git
+# ignores (examples/transformer/checkpoints/), or finds it there up to date.
 demo: install
 	$(VENV)/bin/attn-backends list
 	$(VENV)/bin/attn-backends explain --device cpu --q 2,256,8,64 --kv 2,256,2,64 --causal
 	$(PY) examples/demo.py
-	$(PY) examples/transformer/train.py --steps 20
+	$(PY) examples/transformer/train.py --serving
 	$(PY) examples/serving/serve.py
 
 # The stages run in a sub-make, so their times are printed even when one fails
@@ -228,4 +230,5 @@ test-gpu: install
 	$(PY) benchmarks/bench_gpu.py
 
 clean:
-	rm -rf $(VENV) $(VENV_COMPAT) $(CERTS) .attn-cache $(DIST) .stage-times
+	rm -rf $(VENV) $(VENV_COMPAT) $(CERTS) .attn-cache $(DIST) .stage-times \
+		examples/transformer/checkpoints

@@ -6,7 +6,8 @@ steps apart into a pool too small for all of them at once, so requests wait
 for pages and reuse the pages of those that left; each step packs decode rows
 and prefill chunks (at most 8 prompt tokens a step) into one ragged batch. Run
 on every backend that serves this paged call on cpu (the Pallas ones in
-interpret mode, when they declare paged support).
+interpret mode, when they declare paged support). The summary line the demo
+ends with counts what the engine served.
 """
 
 from __future__ import annotations
@@ -105,3 +106,14 @@ def test_engine_decodes_what_each_request_decodes_alone(backend, model, requests
     assert sorted(engine.free) == list(range(NUM_PAGES)), "pages not all returned"
     # Rows are padded to a few static sizes: one compiled program per size.
     assert engine._step._cache_size() == len({rec.rows for rec in engine.records}) <= 2
+
+    # The summary the demo ends with. Every row that ran held a prompt token or a
+    # generated one fed back (each request's last token is not).
+    summary = serve.summarize(engine, requests, outputs)
+    prompt_tokens = sum(prompt.values())
+    assert (summary.requests, summary.new_tokens, summary.prompt_tokens) == (5, 40, prompt_tokens)
+    assert summary.row_occupancy == (prompt_tokens + 40 - 5) / sum(r.rows for r in engine.records)
+    assert 0 < summary.seq_occupancy <= 1 and summary.steps == len(engine.records)
+    assert 0 < summary.step_seconds < max(r.seconds for r in engine.records)
+    line = summary.line()
+    assert line.startswith("summary: 40 tokens served") and f"backend {backend} (" in line

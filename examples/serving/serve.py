@@ -12,9 +12,12 @@ batch)``) in every layer, then decodes greedily.
 
     python examples/serving/serve.py --backend xla_native
 
-The model is the example's own (imported, not copied), here from its random
-initialisation: greedy equality with decoding each request alone needs no
-trained model. README.md (beside this file) walks through the contract.
+The model is the example's own (imported, not copied): ``train.py --serving``
+trains it into a checkpoint, which this loads (training it first when it is
+missing or stale). Greedy equality with decoding each request alone needs no
+trained model (the tests serve its random initialisation); trained, its
+completions read like the corpus. At the end, one line sums up what was
+served. README.md (beside this file) walks through the contract.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import functools
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,9 +54,9 @@ def _load_transformer() -> Any:
 
 transformer = _load_transformer()
 
-#: The serving model: the example's architecture, smaller and shorter (positions
-#: 0 .. seq-1: a prompt plus its new tokens must fit). Head dim 64 (2:1 GQA).
-CONFIG = transformer.Config(d_model=128, heads=2, kv_heads=1, layers=2, seq=32)
+#: The serving model: the example's architecture, shorter (positions 0 .. seq-1:
+#: a prompt plus its new tokens must fit). Head dim 64 (2:1 GQA).
+CONFIG = transformer.SERVING
 
 
 @dataclass(frozen=True)
@@ -88,11 +92,13 @@ class Running:
 @dataclass(frozen=True)
 class StepRecord:
     """What one engine step ran: ``(request id, first position, rows)`` per
-    sequence in batch order, and the padded row count (the compiled bucket)."""
+    sequence in batch order, the padded row count (the compiled bucket), and the
+    step's wall time in seconds (the jitted call until its tokens are back)."""
 
     step: int
     work: tuple[tuple[int, int, int], ...]
     rows: int
+    seconds: float
 
 
 def pages_needed(request: Request, page_size: int) -> int:
@@ -130,6 +136,7 @@ class Engine:
         self.paged = registry.get_paged(
             device=device, backend=backend, num_q_heads=cfg.heads, num_kv_heads=cfg.kv_heads,
             head_dim=cfg.d_model // cfg.heads, page_size=page_size, dtype="float32")
+        self.backend: str = self.paged.backend.name  # sharded below or not, this one serves
         if mesh is not None:
             from attn_backends.parallel.paged import shard_paged_heads
 
@@ -253,11 +260,13 @@ class Engine:
         tokens, positions, slots, cu, kv_lens, table = self._pack(work)
         batch = attn_backends.PagedBatch(jnp.asarray(cu), jnp.asarray(kv_lens),
                                          jnp.asarray(table), jnp.int32(len(work)))
+        start = time.perf_counter()
         next_tokens, self.caches = self._step(self.params, self.caches, jnp.asarray(tokens),
                                               jnp.asarray(positions), jnp.asarray(slots), batch)
-        next_tokens = np.asarray(next_tokens)
+        next_tokens = np.asarray(next_tokens)  # waits for the step
         self.records.append(StepRecord(self.clock - 1, tuple(
-            (r.request.id, r.computed, n) for r, n in work), len(tokens)))
+            (r.request.id, r.computed, n) for r, n in work), len(tokens),
+            time.perf_counter() - start))
         for s, (r, n) in enumerate(work):
             r.computed += n
             if r.computed == len(r.tokens):  # its last known token ran: the next one is out
@@ -275,6 +284,52 @@ class Engine:
                 self.submit(pending.pop(0))
             self.step()
         return dict(self.finished)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What an engine served: new tokens and prompt tokens, over ``steps`` steps;
+    batch occupancy over all steps, the share of the padded rows that held tokens
+    and of the ``max_seqs`` sequence slots that held requests; the median wall time
+    of a step that compiled nothing (the first step of each row bucket compiles)."""
+
+    requests: int
+    new_tokens: int
+    prompt_tokens: int
+    steps: int
+    row_occupancy: float
+    seq_occupancy: float
+    step_seconds: float
+    backend: str
+    layout: str
+
+    def line(self) -> str:
+        return (f"summary: {self.new_tokens} tokens served ({self.prompt_tokens} prompt tokens "
+                f"in) to {self.requests} requests in {self.steps} steps; batch occupancy "
+                f"{self.row_occupancy:.0%} of rows, {self.seq_occupancy:.0%} of sequence slots; "
+                f"{1e3 * self.step_seconds:.1f} ms per step (median of the steps that compiled "
+                f"nothing); backend {self.backend} ({self.layout} layout)")
+
+
+def summarize(engine: Engine, requests: Sequence[Request],
+              outputs: dict[int, list[int]]) -> Summary:
+    """The ``Summary`` of ``engine.run(requests)``, which returned ``outputs``."""
+    records = engine.records
+    buckets: set[int] = set()
+    warm = []  # steps whose row bucket had compiled before
+    for r in records:
+        if r.rows in buckets:
+            warm.append(r.seconds)
+        buckets.add(r.rows)
+    return Summary(
+        requests=len(requests),
+        new_tokens=sum(map(len, outputs.values())),
+        prompt_tokens=sum(len(r.prompt) for r in requests),
+        steps=len(records),
+        row_occupancy=sum(n for r in records for *_, n in r.work) / sum(r.rows for r in records),
+        seq_occupancy=sum(len(r.work) for r in records) / (len(records) * engine.max_seqs),
+        step_seconds=float(np.median(warm or [r.seconds for r in records])),
+        backend=engine.backend, layout=engine.paged.layout)
 
 
 def decode_alone(params: nnx.State, vocab: int, prompt: Sequence[int], max_new: int,
@@ -317,24 +372,33 @@ def demo_requests(lengths: Sequence[int] = (3, 20, 7, 12, 5), max_new: int = 8,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default=None, help="a paged backend (default: the registry's)")
+    parser.add_argument("--checkpoint", default=transformer.SERVING_CHECKPOINT,
+                        help="the trained model (train.py --serving; default: %(default)s)")
     args = parser.parse_args()
     _, vocab = transformer.load_corpus()
-    params = transformer.init_state(CONFIG, vocab)
+    steps = transformer.SERVING_STEPS
+    weights = transformer.trained_params(CONFIG, steps, args.checkpoint, log_every=steps // 10)
+    print(f"model: {os.path.relpath(args.checkpoint)} ({steps} steps, loss {weights.loss:.4f})")
+    params = weights.params
     engine = Engine(params, vocab, backend=args.backend)
-    requests = demo_requests()
+    requests = demo_requests(max_new=12)  # the longest prompt, 20, fills the 32 positions
     outputs = engine.run(requests)
-    print(f"served by {engine.paged.backend.name!r} ({engine.paged.layout} layout)")
     for record in engine.records:
         parts = [f"r{i}:{'decode' if n == 1 and p >= len(requests[i].prompt) else 'prefill'}"
                  f"@{p}+{n}" for i, p, n in record.work]
         print(f"step {record.step:2d}  rows {record.rows:2d}  " + "  ".join(parts))
     with open(transformer.CORPUS, encoding="utf-8") as f:
         chars = sorted(set(f.read()))  # the ids of load_corpus
+    differ = []
     for r in requests:
-        alone = decode_alone(params, vocab, r.prompt, r.max_new)
-        text = "".join(chars[t] for t in outputs[r.id])
-        print(f"request {r.id}: {''.join(chars[t] for t in r.prompt)!r} -> {text!r} "
-              f"({'the same as' if alone == outputs[r.id] else 'NOT'} decoded alone)")
+        same = decode_alone(params, vocab, r.prompt, r.max_new) == outputs[r.id]
+        differ += [] if same else [r.id]
+        print(f"request {r.id}: {''.join(chars[t] for t in r.prompt)!r} -> "
+              f"{''.join(chars[t] for t in outputs[r.id])!r} "
+              f"({'the same as' if same else 'NOT'} decoded alone)")
+    print(summarize(engine, requests, outputs).line())
+    if differ:
+        sys.exit(f"requests {differ}: the engine's tokens differ from decoding each alone")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,14 @@ flax's own attention, the baseline.
 
     python examples/transformer/train.py --backend xla_native --steps 300
     python examples/transformer/train.py --tune table.json --steps 50   # tuned vs priority
+    python examples/transformer/train.py --serving   # the model examples/serving serves
+
+``--serving`` trains ``SERVING`` for ``SERVING_STEPS`` steps into a checkpoint
+(``checkpoints/serving.npz`` beside this file, not tracked by git), which
+examples/serving loads. A checkpoint holds the recipe its weights came from
+(the config, the step count, the backend, and SHA-256 digests of corpus.txt and
+of this file); one whose recipe differs from the one asked for is stale and is
+trained again, saying what changed.
 
 Character-level; 2 query heads over 1 kv head (MQA), head dim 64 so that
 flash_pallas can serve it too; causal self-attention.
@@ -17,7 +25,10 @@ flash_pallas can serve it too; causal self-attention.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import hashlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -32,7 +43,12 @@ import optax
 from attn_backends.flax import attention_fn
 from flax import nnx
 
-CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus.txt")
+HERE = os.path.dirname(os.path.abspath(__file__))
+CORPUS = os.path.join(HERE, "corpus.txt")
+CODE = os.path.abspath(__file__)  # a checkpoint's weights depend on this file's code
+#: How the learning rate moves over a run: Adam's constant rate, or a linear
+#: warm-up over the first tenth of the steps and a cosine down to a twentieth.
+SCHEDULES = ("constant", "warmup_cosine")
 
 
 @dataclass(frozen=True)
@@ -46,7 +62,17 @@ class Config:
     seq: int = 64
     batch: int = 8
     learning_rate: float = 3e-3
+    schedule: str = "constant"  # one of SCHEDULES
     seed: int = 0
+
+
+#: The model examples/serving serves: the architecture above, 32 positions (a
+#: prompt and its new tokens), trained on batches of 32 with a decaying rate
+#: until its greedy completions read like the corpus (loss about 0.7; the run,
+#: compiling included, takes about 25 s of cpu time).
+SERVING = Config(seq=32, batch=32, learning_rate=4e-3, schedule="warmup_cosine")
+SERVING_STEPS = 300
+SERVING_CHECKPOINT = os.path.join(HERE, "checkpoints", "serving.npz")
 
 
 class Block(nnx.Module):
@@ -138,15 +164,26 @@ class Trainer:
     opt_state: Any
 
 
+def learning_rate(cfg: Config, steps: int) -> float | optax.Schedule:
+    """``cfg.learning_rate`` shaped by ``cfg.schedule`` over a run of ``steps`` steps."""
+    if cfg.schedule == "constant":
+        return cfg.learning_rate
+    if cfg.schedule == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, cfg.learning_rate, steps // 10, steps, cfg.learning_rate / 20)
+    raise ValueError(f"Config.schedule: expected one of {SCHEDULES}, got {cfg.schedule!r}")
+
+
 def trainer(
     backend: str, cfg: Config, vocab: int, params: nnx.State, registry: attn_backends.Registry,
-    tuning: str | None = None,
+    tuning: str | None = None, steps: int = 1,
 ) -> Trainer:
-    """The step function for ``backend`` (its own model graph, the shared parameters)."""
+    """The step function for ``backend`` (its own model graph, the shared parameters),
+    its optimizer's schedule spanning ``steps`` steps."""
     attention = attention_for(backend, registry, tuning)
     abstract = nnx.eval_shape(lambda: Model(cfg, vocab, attention, nnx.Rngs(0)))
     graphdef, _ = nnx.split(abstract, nnx.Param)
-    tx = optax.adam(cfg.learning_rate)
+    tx = optax.adam(learning_rate(cfg, steps))
 
     def loss_fn(params: nnx.State, batch: jax.Array) -> jax.Array:
         logits = nnx.merge(graphdef, params)(batch[:, :-1])
@@ -163,28 +200,129 @@ def trainer(
 
 @dataclass
 class Run:
-    """One backend's training run: loss per step, seconds per step (after the first)."""
+    """One backend's training run: loss per step, seconds per step (after the first),
+    and the trained parameters (``train`` only)."""
 
     backend: str
     losses: list[float]
     step_seconds: list[float]
+    params: nnx.State | None = None
 
 
-def train(
-    backend: str, steps: int, cfg: Config = Config(), registry: attn_backends.Registry | None = None
-) -> Run:
-    """Train ``steps`` steps with ``backend`` from the shared initialisation and batches."""
+def train(backend: str, steps: int, cfg: Config = Config(),
+          registry: attn_backends.Registry | None = None, log_every: int = 0) -> Run:
+    """Train ``steps`` steps with ``backend`` from the shared initialisation and batches;
+    with ``log_every``, a progress line every ``log_every`` steps and at the last."""
     data, vocab = load_corpus()
     registry = registry if registry is not None else attn_backends.registry
-    t = trainer(backend, cfg, vocab, init_state(cfg, vocab), registry)
+    t = trainer(backend, cfg, vocab, init_state(cfg, vocab), registry, steps=steps)
     params, opt_state = t.params, t.opt_state
     losses, seconds = [], []
-    for batch in batches(data, cfg, steps):
+    began = time.perf_counter()
+    for i, batch in enumerate(batches(data, cfg, steps)):
         start = time.perf_counter()
         params, opt_state, loss = t.step(params, opt_state, jnp.asarray(batch))
         losses.append(float(loss))  # float() waits for the step
         seconds.append(time.perf_counter() - start)
-    return Run(backend, losses, seconds[1:])
+        if log_every and ((i + 1) % log_every == 0 or i + 1 == steps):
+            print(f"  step {i + 1:4d}/{steps}  loss {losses[-1]:.4f}  "
+                  f"{time.perf_counter() - began:5.1f} s", flush=True)
+    return Run(backend, losses, seconds[1:], params)
+
+
+def recipe(cfg: Config, steps: int, backend: str) -> dict[str, Any]:
+    """What ``train(backend, steps, cfg)``'s weights depend on: its arguments and
+    the bytes of the corpus and of the code (SHA-256)."""
+
+    def digest(path: str) -> str:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    return {"config": dataclasses.asdict(cfg), "steps": steps, "backend": backend,
+            "corpus_sha256": digest(CORPUS), "code_sha256": digest(CODE)}
+
+
+def changes(found: dict[str, Any], wanted: dict[str, Any]) -> str | None:
+    """What differs between a checkpoint's recipe and the one wanted, in words;
+    None when they are the same."""
+    words = {"corpus_sha256": "corpus.txt changed", "code_sha256": "train.py changed"}
+    said = []
+    for key in sorted(set(found) | set(wanted)):
+        if found.get(key) == wanted.get(key):
+            continue
+        if key == "config":
+            old, new = found.get(key) or {}, wanted[key]
+            said += [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                     if old.get(k) != new.get(k)]
+        else:
+            said.append(words.get(key, f"{key} {found.get(key)!r} -> {wanted.get(key)!r}"))
+    return "; ".join(said) or None
+
+
+@dataclass
+class Weights:
+    """Trained parameters, the recipe they came from, the last step's loss, and why
+    they were trained now (None: loaded from their checkpoint)."""
+
+    params: nnx.State
+    recipe: dict[str, Any]
+    loss: float
+    trained_because: str | None
+
+
+def save_checkpoint(path: str, params: nnx.State, recipe: dict[str, Any], loss: float) -> None:
+    """``params`` (each array under its path in the state), ``recipe`` and ``loss`` as
+    one ``.npz``, written whole or not at all (a stopped run leaves no half file)."""
+    arrays = {jax.tree_util.keystr(p): np.asarray(x)
+              for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "wb") as f:
+        np.savez(f, __recipe__=np.array(json.dumps(recipe, sort_keys=True)),
+                 __loss__=np.array(loss), **arrays)
+    os.replace(partial, path)
+
+
+def _params_from(saved: Any, path: str, cfg: Config, vocab: int) -> nnx.State:
+    """The model's parameters from an opened checkpoint, each checked against the
+    model's own shape."""
+    abstract = nnx.state(nnx.eval_shape(
+        lambda: Model(cfg, vocab, nnx.dot_product_attention, nnx.Rngs(0))), nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    arrays = []
+    for p, want in leaves:
+        name = jax.tree_util.keystr(p)
+        got = saved[name] if name in saved.files else None
+        if got is None or got.shape != want.shape:
+            raise ValueError(
+                f"{path}: its recipe matches, yet it holds {'no' if got is None else got.shape} "
+                f"{name} where the model has {want.shape}; delete the file to train it again")
+        arrays.append(jnp.asarray(got))
+    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def trained_params(cfg: Config, steps: int, path: str, backend: str = "xla_native",
+                   registry: attn_backends.Registry | None = None, log_every: int = 0) -> Weights:
+    """What ``train(backend, steps, cfg)`` trains: loaded from the checkpoint at
+    ``path`` when its recipe is this one, else trained now (progress every
+    ``log_every`` steps) and saved there, replacing a stale one."""
+    wanted = recipe(cfg, steps, backend)
+    because = "no checkpoint yet"
+    if os.path.exists(path):
+        with np.load(path, allow_pickle=False) as saved:
+            if "__recipe__" not in saved.files:
+                raise ValueError(f"{path} is no checkpoint of this example (no recipe in it): "
+                                 "name another path, or delete it")
+            found = json.loads(str(saved["__recipe__"]))
+            stale = changes(found, wanted)
+            if stale is None:
+                params = _params_from(saved, path, cfg, load_corpus()[1])
+                return Weights(params, wanted, float(saved["__loss__"]), None)
+            because = f"stale: {stale}"
+    print(f"training {os.path.relpath(path)} ({because}): {steps} steps, {backend}", flush=True)
+    run = train(backend, steps, cfg, registry, log_every)
+    save_checkpoint(path, run.params, wanted, run.losses[-1])
+    return Weights(run.params, wanted, run.losses[-1], because)
 
 
 def compare_tuned(table: str, steps: int, cfg: Config = Config(),
@@ -203,14 +341,14 @@ def compare_tuned(table: str, steps: int, cfg: Config = Config(),
     data, vocab = load_corpus()
     registry = registry if registry is not None else attn_backends.registry
     params = init_state(cfg, vocab)
-    untuned = trainer("auto", cfg, vocab, params, registry)
+    untuned = trainer("auto", cfg, vocab, params, registry, steps=steps)
     first = jnp.asarray(batches(data, cfg, 1)[0])
     if not os.path.exists(table):
         found = signatures_of(untuned.step, untuned.params, untuned.opt_state, first,
                               passes=(True,))
         tune(registry, found, "cpu", environment=environment("cpu"),
              identity=identity(registry.backends), rounds=rounds).save(table)
-    tuned = trainer("auto", cfg, vocab, params, registry, tuning=table)
+    tuned = trainer("auto", cfg, vocab, params, registry, tuning=table, steps=steps)
     runs = {"untuned": Run("priority order", [], []), "tuned": Run(f"table {table}", [], [])}
     states = {"untuned": (untuned, untuned.params, untuned.opt_state),
               "tuned": (tuned, tuned.params, tuned.opt_state)}
@@ -257,7 +395,19 @@ def main() -> None:
     parser.add_argument("--tune", default=None, metavar="TABLE",
                         help="train the registry's choice untuned and with this tuning "
                         "table (made first if missing), steps in turn, and compare")
+    parser.add_argument("--serving", action="store_true",
+                        help=f"train the model examples/serving serves ({SERVING_STEPS} steps) "
+                        "into --checkpoint, unless it holds that model's weights already")
+    parser.add_argument("--checkpoint", default=SERVING_CHECKPOINT,
+                        help="where --serving keeps the weights (default: %(default)s)")
     args = parser.parse_args()
+    if args.serving:
+        weights = trained_params(SERVING, SERVING_STEPS, args.checkpoint, args.backend,
+                                 log_every=SERVING_STEPS // 10)
+        done = "saved" if weights.trained_because else "up to date, nothing to train:"
+        print(f"{done} {os.path.relpath(args.checkpoint)} ({SERVING_STEPS} steps, "
+              f"loss {weights.loss:.4f})")
+        return
     if args.tune:
         untuned, tuned = compare_tuned(args.tune, args.steps)
         for run in (untuned, tuned):
@@ -267,11 +417,8 @@ def main() -> None:
         ratio = float(np.median(untuned.step_seconds) / np.median(tuned.step_seconds))
         print(f"tuned step is {ratio:.2f}x the speed of the untuned one (same process)")
         return
-    run = train(args.backend, args.steps)
-    every = max(1, args.steps // 10)
-    for i in range(0, args.steps, every):
-        print(f"step {i:4d}  loss {run.losses[i]:.4f}")
-    print(f"step {args.steps - 1:4d}  loss {run.losses[-1]:.4f}  ({args.backend}, "
+    run = train(args.backend, args.steps, log_every=max(1, args.steps // 10))
+    print(f"final loss {run.losses[-1]:.4f}  ({args.backend}, "
           f"median step {1e3 * float(np.median(run.step_seconds or [0.0])):.1f} ms on cpu)")
 
 

@@ -73,8 +73,8 @@ DIST := dist
 # STAGE_TIMES), appends "NAME SECONDS STATUS" to .stage-times.
 TIMED := tools/stage_time.sh
 
-.PHONY: install install-compat demo dist lint test test-stages test-main test-compat test-wheels \
-	test-gpu clean
+.PHONY: install install-compat demo dist lint matrix test test-stages test-main test-compat \
+	test-wheels test-gpu clean
 
 $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
 	$(TIMED) install -- $(PYTHON) -m venv --clear $(VENV)
@@ -113,10 +113,17 @@ test:
 # (the compatibility environment installs beside them: beside the main pytest
 # its pip installs took 151 s against 42 s, and slowed the tests); the
 # compatibility pytest; the jax 0.10 certifications beside the wheel installs
-# (mostly downloads), the longest first.
+# (mostly downloads), the longest first; last, the compatibility matrix of
+# every certificate written (a second, reading JSON only).
 test-stages: lint test-main pytest-compat
 	$(MAKE_2) certify-compat-flash_pallas wheels-full certify-compat-xla_native wheels-xla \
 		$(CERTIFY_COMPAT)
+	$(MAKE) matrix
+
+# Library x backend x contract family, from the certificates in $(CERTS)
+# (`attn-backends matrix --markdown` for the README's table).
+matrix: install
+	$(TIMED) $@ -- $(VENV)/bin/attn-backends matrix $(CERTS)
 
 # Ruff over every Python file of the repo (pyproject.toml holds its rules): seconds.
 lint: install

@@ -23,7 +23,9 @@ PACKAGES := core $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.to
 STAMP := $(VENV)/.installed-jax-0.12
 
 # The compatibility environment: the oldest jax line the backends declare
-# (>=0.10), on Python 3.11, where pip resolves flax to 0.12.8.
+# (>=0.10), on Python 3.11, where pip resolves flax to 0.12.8. Only there does
+# ejkernel install (its extra, attn-backend-ejkernel[ejkernel]: ejkernel pins
+# jax~=0.10.0); .venv has the adapter without it, refused by its jax range.
 PYTHON_COMPAT ?= python3.11
 JAX_COMPAT ?= jax>=0.10,<0.11
 VENV_COMPAT := .venv-jax-0.10
@@ -40,8 +42,10 @@ CERTS := .certificates
 # reference and example_dense are plain jnp with no version branch: the
 # suite's own code on jax 0.10 is run by the three that stay, so certifying
 # them there again caught nothing the newest line's run does not.
+# ejkernel_xla (EasyDeL's ejkernel) certifies on the older line only, the one
+# its jax pin installs on.
 BACKENDS := reference xla_native example_dense flash_pallas flash_triton
-COMPAT_BACKENDS := xla_native flash_pallas flash_triton
+COMPAT_BACKENDS := xla_native flash_pallas flash_triton ejkernel_xla
 CERTIFY_MAIN := $(addprefix certify-main-,$(BACKENDS))
 CERTIFY_COMPAT := $(addprefix certify-compat-,$(COMPAT_BACKENDS))
 INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1
@@ -89,6 +93,8 @@ $(STAMP_COMPAT): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
 	$(TIMED) install-compat -- $(PY_COMPAT) -m pip install -q -r requirements-dev.txt "$(JAX_COMPAT)"
 	$(TIMED) install-compat -- $(PY_COMPAT) -m pip install -q --no-build-isolation \
 		$(addprefix -e ,$(PACKAGES))
+	$(TIMED) install-compat -- $(PY_COMPAT) -m pip install -q --no-build-isolation \
+		-e "./plugins/ejkernel[ejkernel]"
 	touch $@
 
 install: $(STAMP)
@@ -203,7 +209,8 @@ pytest-compat: install-compat
 	$(TIMED) $@ -- $(PY_COMPAT) -m pytest $(PYTEST_2) tests/core plugins/flash_pallas \
 		plugins/flash_triton plugins/cudnn tests/test_flax.py tests/test_flax_nnx.py \
 		tests/test_platform_dispatch.py plugins/xla_native/tests/test_xla_native_decode.py \
-		plugins/xla_native/tests/test_xla_native_forward_only.py $(MULTIHOST_COMPAT)
+		plugins/xla_native/tests/test_xla_native_forward_only.py \
+		plugins/ejkernel/tests/test_ejkernel_xla.py $(MULTIHOST_COMPAT)
 
 # xla_native's own code differs between the lines only at its decode gate: on
 # jax 0.10 its quick table (every family, decode and paged among them, with

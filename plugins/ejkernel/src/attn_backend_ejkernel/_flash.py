@@ -14,11 +14,18 @@ the contract (each a finding of plugins/ejkernel/README.md):
 - no kv lengths: given as segment ids (0 for a key inside the length, 1
   past it), or, beside segment ids of the call's own, folded into the mask;
 - mask and bias must be ``[B, Hq|1, Tq, Tk]`` and ``[B, Hq, Tq, Tk]``
-  (its type checks name the dims), so they are broadcast to that.
+  (its type checks name the dims), so they are broadcast to that;
+- importing ejkernel points JAX's persistent compilation cache, for every
+  program of the process, at ``~/.cache/ejkernel-cache`` (each ``@ejit``
+  sets ``jax_compilation_cache_dir``) and sets two environment variables:
+  :func:`kernel` imports it and puts all three back.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,6 +33,34 @@ import jax.numpy as jnp
 from attn_backends import AttentionCall, Operands
 
 from ._plugin import EjkernelOptions
+
+#: What importing ejkernel changes for the whole process: JAX's settings and
+#: environment variables (ejkernel/__init__.py, ejkernel/callib/_ejit.py).
+_JAX_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_entry_size_bytes",
+                 "jax_persistent_cache_min_compile_time_secs",
+                 "jax_persistent_cache_enable_xla_caches")
+_ENVIRONMENT = ("TF_GPU_ALLOCATOR", "CUTE_DSL_ENABLE_TVM_FFI")
+
+
+@functools.cache
+def kernel() -> Callable[..., Any]:
+    """ejkernel's XLA flash attention from its kernel registry, imported once, with
+    the JAX settings and environment variables its import changes put back."""
+    settings = {name: getattr(jax.config, name) for name in _JAX_SETTINGS}
+    environment = {name: os.environ.get(name) for name in _ENVIRONMENT}
+    try:
+        from ejkernel.kernels import kernel_registry
+
+        return kernel_registry.get("flash_attention", platform="xla", backend="any")
+    finally:
+        for name, value in settings.items():
+            if getattr(jax.config, name) != value:
+                jax.config.update(name, value)
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def band(call: AttentionCall) -> tuple[int | None, int | None] | None:
@@ -99,10 +134,9 @@ def attention(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands,
 
     Returns out ``[B, Tq, Hq, Dv]`` in q's dtype.
     """
-    from ejkernel.kernels import kernel_registry
-    from ejkernel.ops import FwdParams
+    flash = kernel()
+    from ejkernel.ops import FwdParams  # imported by kernel() already
 
-    flash = kernel_registry.get("flash_attention", platform="xla", backend="any")
     causal, window, band_as_mask = _kernel_band(call)
     mask = ops.mask
     if band_as_mask:

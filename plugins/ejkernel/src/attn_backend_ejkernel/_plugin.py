@@ -76,6 +76,11 @@ class EjkernelXlaBackend(Backend):
         if found != EJKERNEL_VERSION:
             return [f"ejkernel {found} is installed; this adapter serves {EJKERNEL_VERSION}, "
                     f"the release its manifest was read from and certified with: {INSTALL}"]
+        if call.v_head_dim != call.head_dim:
+            # Its type checks name one head_dim for q, k and v (its loop would
+            # take another for v).
+            return [f"v_head_dim={call.v_head_dim} must equal head_dim={call.head_dim} "
+                    "(ejkernel's type checks give q, k and v one head dim)"]
         if call.softcap is not None and call.bias_shape is not None:
             # ejkernel adds the bias before the softcap; the contract caps first.
             return ["softcap with bias: ejkernel caps scale*q.k + bias, the contract "

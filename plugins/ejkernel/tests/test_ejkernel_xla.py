@@ -121,3 +121,34 @@ def test_softcap_with_bias_is_declined_ejkernel_caps_after_the_bias(qkv) -> None
     exp = ab.Registry(probe=None).get(device="cpu").explain(q, k, v, bias=bias, softcap=1.0)
     verdict = next(x for x in exp.verdicts if x.backend == "ejkernel_xla")
     assert any("softcap with bias" in r for r in verdict.reasons), verdict.reasons
+
+
+def test_its_ragged_paged_attention_reads_nan_past_kv_len_so_it_is_not_wrapped() -> None:
+    """Why ejkernel's ragged_page_attention_v2 (XLA) is not served for paged calls: a
+    NaN in a slot past a sequence's kv length, which the paged contract says never
+    changes a result, reaches the output (hidden weights are zeroed, then 0 * NaN
+    in weights @ V); and its window keeps one key fewer than the contract's."""
+    from ejkernel.kernels import kernel_registry  # imported by _flash() already
+
+    _flash()
+    rpa = kernel_registry.get("ragged_page_attention_v2", platform="xla", backend="any")
+    page, hd = 4, 8
+    rng = np.random.default_rng(0)
+    pages = rng.standard_normal((2, page, 2, hd)).astype(np.float32)  # K, V interleaved
+    q = jnp.asarray(rng.standard_normal((1, 1, hd)), jnp.float32)  # one decode row
+    args = dict(context_lens=jnp.array([3], jnp.int32), block_tables=jnp.array([[0]], jnp.int32),
+                query_start_loc=jnp.array([0, 1], jnp.int32), num_seqs=jnp.array([1], jnp.int32),
+                softmax_scale=hd ** -0.5, compute_dtype=jnp.float32)
+    k, v = np.float64(pages[0, :3, 0]), np.float64(pages[0, :3, 1])
+
+    def contract(first: int) -> np.ndarray:  # the row (position 2) over keys first..2
+        s = k[first:] @ np.float64(q[0, 0]) * hd ** -0.5
+        p = np.exp(s - s.max())
+        return p / p.sum() @ v[first:]
+
+    np.testing.assert_allclose(rpa(q, jnp.asarray(pages), **args)[0, 0], contract(0), atol=1e-5)
+    # window=(1, None) keeps keys 1..2 in the contract; ejkernel's 1 keeps key 2 only.
+    windowed = rpa(q, jnp.asarray(pages), sliding_window=1, **args)[0, 0]
+    np.testing.assert_allclose(windowed, contract(2), atol=1e-5)
+    pages[0, 3] = np.nan  # slot 3 of page 0: past kv_lens=3
+    assert np.isnan(np.asarray(rpa(q, jnp.asarray(pages), **args))).all()

@@ -5,6 +5,7 @@ Importing this package does not import ejkernel: the manifest is static and
 ejkernel is imported on the first call.
 """
 
-from ._plugin import EjkernelOptions, EjkernelXlaBackend
+from ._options import EjkernelOptions
+from ._plugin import EjkernelXlaBackend
 
 __all__ = ["EjkernelOptions", "EjkernelXlaBackend"]

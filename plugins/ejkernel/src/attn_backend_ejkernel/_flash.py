@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from attn_backends import AttentionCall, Operands
 
-from ._plugin import EjkernelOptions
+from ._options import EjkernelOptions
 
 #: What importing ejkernel changes for the whole process: JAX's settings and
 #: environment variables (ejkernel/__init__.py, ejkernel/callib/_ejit.py).

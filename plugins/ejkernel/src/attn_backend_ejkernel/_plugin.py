@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -11,24 +10,14 @@ import attn_backends
 from attn_backends import AttentionCall, Backend, Operands
 from attn_backends.authoring import distribution_version, manifest, resolve_options
 
+from ._options import EjkernelOptions
+
 #: The ejkernel release this adapter was read against and certified with (its
 #: findings, plugins/ejkernel/README.md, are that release's).
 EJKERNEL_VERSION = "0.0.80.3"
 #: ejkernel 0.0.80.3 pins jax~=0.10.0: the jax line it installs on.
 JAX_VERSIONS = ">=0.10,<0.11"
 INSTALL = "pip install 'attn-backend-ejkernel[ejkernel]'"
-
-
-@dataclass(frozen=True)
-class EjkernelOptions:
-    """ejkernel's chunk sizes (its ``FwdParams``): query and key rows per chunk.
-
-    None: ejkernel's default, ``min(128, T)``. With a softcap ejkernel raises
-    either below 16 to 16.
-    """
-
-    q_block: int | None = None
-    kv_block: int | None = None
 
 
 @functools.cache

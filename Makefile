@@ -119,12 +119,11 @@ test:
 # (the compatibility environment installs beside them: beside the main pytest
 # its pip installs took 151 s against 42 s, and slowed the tests); the
 # compatibility pytest; the jax 0.10 certifications beside the wheel installs
-# (mostly downloads), the longest first; last, the compatibility matrix of
-# every certificate written (a second, reading JSON only).
+# (mostly downloads), the longest first; last, failed or not, the
+# compatibility matrix of every certificate written (a second: it reads JSON).
 test-stages: lint test-main pytest-compat
 	$(MAKE_2) certify-compat-flash_pallas wheels-full certify-compat-xla_native wheels-xla \
-		$(CERTIFY_COMPAT)
-	$(MAKE) matrix
+		$(CERTIFY_COMPAT); status=$$?; $(MAKE) matrix && exit $$status
 
 # Library x backend x contract family, from the certificates in $(CERTS)
 # (`attn-backends matrix --markdown` for the README's table).
@@ -218,11 +217,11 @@ pytest-compat: install-compat
 # samples each family under that jax; the full table's remaining cases run the
 # same code paths, which the newest line's full table certifies.
 TABLE_COMPAT_xla_native := --quick
-# ejkernel_xla: its quick table (every family, with the tiled twins that cross
-# ejkernel's chunks) took 100 s on this 2-core machine beside other jobs, the
-# full one FULL_SECONDS s; make test has no room for the full table, which
-# `.venv-jax-0.10/bin/attn-backends check ejkernel_xla` runs (it found the
-# v_head_dim refusal the quick table has no case for).
+# ejkernel_xla: its quick table (79 tests: every family, with the tiled twins
+# that cross ejkernel's chunks) took 100 s on this 2-core machine beside other
+# jobs; the full table (359 tests) over 30 minutes there, no room in make test.
+# `.venv-jax-0.10/bin/attn-backends check ejkernel_xla` runs it (it found the
+# v_head_dim refusal, which the quick table has no case for).
 TABLE_COMPAT_ejkernel_xla := --quick
 
 $(CERTIFY_COMPAT): certify-compat-%: install-compat

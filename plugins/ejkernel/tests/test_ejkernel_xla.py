@@ -152,3 +152,11 @@ def test_its_ragged_paged_attention_reads_nan_past_kv_len_so_it_is_not_wrapped()
     np.testing.assert_allclose(windowed, contract(2), atol=1e-5)
     pages[0, 3] = np.nan  # slot 3 of page 0: past kv_lens=3
     assert np.isnan(np.asarray(rpa(q, jnp.asarray(pages), **args))).all()
+
+
+def test_float16_logits_overflow_there_and_are_float32_here(qkv, served) -> None:
+    q, k, v = (x.astype(jnp.float16) for x in qkv)
+    q, k = q * 300, k * 300  # q.k past float16's 65504; the logits themselves are not
+    assert np.isnan(np.asarray(_flash()(q, k, v), np.float32)).all()
+    want, _ = oracle.attention(q, k, v)
+    np.testing.assert_allclose(np.asarray(served(q, k, v), np.float32), want, atol=2e-2)

@@ -13,6 +13,8 @@ the contract (each a finding of plugins/ejkernel/README.md):
   rank among the sequence's ids, so equality holds and none is negative;
 - no kv lengths: given as segment ids (0 for a key inside the length, 1
   past it), or, beside segment ids of the call's own, folded into the mask;
+- q.k is formed in the inputs' dtype, so float16 logits overflow: float16
+  calls run it in float32 (the contract's logits are float32);
 - mask and bias must be ``[B, Hq|1, Tq, Tk]`` and ``[B, Hq, Tq, Tk]``
   (its type checks name the dims), so they are broadcast to that;
 - importing ejkernel points JAX's persistent compilation cache, for every
@@ -134,6 +136,11 @@ def attention(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands,
 
     Returns out ``[B, Tq, Hq, Dv]`` in q's dtype.
     """
+    dtype = q.dtype
+    if call.dtype == "float16":
+        # ejkernel forms q.k in the inputs' dtype: float16 overflows past 65504
+        # (inf, then NaN) where the contract's float32 logits do not.
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     flash = kernel()
     from ejkernel.ops import FwdParams  # imported by kernel() already
 
@@ -166,4 +173,5 @@ def attention(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands,
     if ops.q_lengths is not None:
         seen &= (jnp.arange(call.q_len)[None, :] < ops.q_lengths[:, None])[:, None]
     seen = jnp.broadcast_to(seen, (call.batch, call.q_heads, call.q_len))
-    return jnp.where(seen.transpose(0, 2, 1)[..., None], out, jnp.zeros((), out.dtype))
+    out = jnp.where(seen.transpose(0, 2, 1)[..., None], out, jnp.zeros((), out.dtype))
+    return out.astype(dtype)

@@ -19,8 +19,9 @@ import pytest
 from attn_backends.cli.main import main
 
 #: The families of the real run: causal (claimed), paged (example_dense has no
-#: paged support: the suite skips each test), unclaimed (its refusals).
-FAMILIES = "causal,paged,unclaimed"
+#: paged support: the suite skips each test) and its refusals, unclaimed (its
+#: refusals of the dense features it does not claim).
+FAMILIES = "causal,paged,paged_unclaimed,unclaimed"
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,8 @@ def test_a_real_certificate_reads_pass_unsupported_and_not_run(
         "date": real["date"][:10]}
     cells = {r[0]: r[1:] for r in _rows(out, "contract families")}
     assert cells == {"family": [f"example_dense {line}"], "causal": ["pass"],
-                     "paged": ["unsupported"], "unclaimed": ["pass"]}
+                     "paged": ["unsupported"], "paged_unclaimed": ["unsupported"],
+                     "unclaimed": ["pass"]}
 
 
 def test_failing_unsupported_and_two_jax_lines(real: dict[str, Any], tmp_path: Path,
@@ -82,6 +84,8 @@ def test_failing_unsupported_and_two_jax_lines(real: dict[str, Any], tmp_path: P
     older.update(jax="0.10.2", jaxlib="0.10.2", passed=False)
     older["families"]["causal"] = {"float32": {"passed": 3, "failed": 1}}
     older["families"]["softcap"] = {"float32": {"passed": 2, "skipped": 1}}
+    # A manifest that claims every dense feature: its refusal test skips.
+    older["families"]["unclaimed"] = {"-": {"skipped": 1}}
     older["only_families"] = None
     folder = tmp_path / "certs"
     _write(folder, "example_dense", real)
@@ -94,6 +98,7 @@ def test_failing_unsupported_and_two_jax_lines(real: dict[str, Any], tmp_path: P
     # Absent from the newer certificate, which ran other families only.
     assert cells["softcap"] == ["pass (1 skipped)", "not run"]
     assert cells["paged"] == ["unsupported", "unsupported"]
+    assert cells["unclaimed"] == ["nothing to refuse", "pass"]
     # A full run that drew no case of a family (its manifest does not claim it)
     # beside one that ran it.
     del older["families"]["softcap"]

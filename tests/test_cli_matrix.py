@@ -107,6 +107,10 @@ def test_failing_unsupported_and_two_jax_lines(real: dict[str, Any], tmp_path: P
                                      "families": {**real["families"], "softcap": softcap}})
     _write(folder, "example_dense-jax-0.10", older)
     assert _matrix(capsys, str(folder))["softcap"] == ["unsupported", "pass"]
+    # Two certificates of one backend on one line: named by their tables.
+    _write(folder, "example_dense-full", {**real, "mode": "full", "only_families": None})
+    assert _matrix(capsys, str(folder))["family"] == [
+        "example_dense 0.10", f"example_dense {line} full", f"example_dense {line} quick"]
 
 
 def test_markdown_holds_the_same_cells(real: dict[str, Any], tmp_path: Path,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,22 +107,28 @@ def _read(path: Path) -> dict[str, Any]:
     return data
 
 
+def _base_label(cert: Certified) -> str:
+    label = f"{cert.data['backend']} {cert.jax_line}"
+    return label if cert.data["platform"] == "cpu" else f"{label} {cert.data['platform']}"
+
+
 def load(paths: Sequence[str]) -> list[Certified]:
     """The certificates in ``paths`` (files, or folders of ``*.json``), one column each,
     ordered by library, backend, jax version and platform; each labelled
-    ``backend jax-line`` (with the platform when not cpu; numbered when two share it)."""
+    ``backend jax-line`` (with the platform when not cpu, the table when two share
+    that, numbered when they share that too)."""
     read = [Certified(str(p), _read(p)) for p in _files(paths)]
     read.sort(key=lambda c: (str(c.data.get("distribution") or ""), c.data["backend"],
                              _version_key(str(c.data["jax"])), c.data["platform"],
                              str(c.data.get("date", ""))))
+    shared = Counter(_base_label(c) for c in read)
+    labels = [_base_label(c) + (f" {_run(c.data)}" if shared[_base_label(c)] > 1 else "")
+              for c in read]
+    seen: Counter[str] = Counter()
     out: list[Certified] = []
-    seen: dict[str, int] = {}
-    for cert in read:
-        label = f"{cert.data['backend']} {cert.jax_line}"
-        if cert.data["platform"] != "cpu":
-            label += f" {cert.data['platform']}"
-        seen[label] = seen.get(label, 0) + 1
-        if seen[label] > 1:
+    for cert, label in zip(read, labels, strict=True):
+        seen[label] += 1
+        if labels.count(label) > 1:
             label += f" ({seen[label]})"
         out.append(Certified(cert.path, cert.data, label))
     return out

@@ -173,3 +173,18 @@ def gpu_target() -> Any:
     mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
                                      abstract_device=device)
     return jax.sharding.use_abstract_mesh(mesh)
+
+
+@contextlib.contextmanager
+def every_warning_an_error() -> Any:
+    """Every warning raises, but the load-time notice of a backend installed here for
+    another jax line: ejkernel_xla (ejkernel pins jax~=0.10.0) is installed in both
+    of make's environments, and on the jax 0.12 line each registry load says it will
+    not be selected (pyproject.toml's filterwarnings ignores the same one)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message="backend 'ejkernel_xla' supports jax",
+                                category=ab.PluginWarning)
+        yield

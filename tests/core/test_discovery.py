@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import importlib
 import sys
-import warnings
 
 import attn_backends as ab
 import jax
 import pytest
-from _support import make_dist
+from _support import every_warning_an_error, make_dist
 from attn_backends.choose import discovery as _discovery
 
 
@@ -126,8 +125,7 @@ def test_same_distribution_twice_on_sys_path_registers_once(tmp_path, monkeypatc
     for folder in ("s1", "s2"):
         make_dist(tmp_path / folder, "attn-backend-twice", "twice")
         monkeypatch.syspath_prepend(str(tmp_path / folder))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with every_warning_an_error():
         reg = ab.Registry(autoload=True)
         assert "twice" in reg.backends and reg.problems == []
 
@@ -140,8 +138,7 @@ def test_disabled_or_not_allowed_plugins_are_never_imported(site, monkeypatch, s
         monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "sentinel, other")
     else:
         monkeypatch.setenv("ATTN_BACKENDS_ONLY", "bystander")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with every_warning_an_error():
         backends = ab.Registry().backends
     assert module not in sys.modules and "sentinel" not in backends
     assert ("bystander" in backends) is True
@@ -201,8 +198,7 @@ def test_backend_for_another_jax_is_skipped_with_both_versions(site):
 def test_importing_a_jax_submodule_is_not_a_patch(site):
     make_dist(site, "attn-backend-importer", "importer",
               prelude="import jax.experimental.pallas.tpu\nimport jax.experimental.shard_map\n")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with every_warning_an_error():
         assert "importer" in ab.Registry().backends
 
 

@@ -39,6 +39,8 @@ def certificate(suite: Any, exitstatus: int) -> dict[str, Any]:
         "suite_version": _suite_version(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "source": suite.source,
+        # What `attn-backends matrix` names the library by (None: not installed).
+        "distribution": suite.distribution,
         "mode": "quick" if suite.quick else "full",
         "only_families": suite.only,
         # Compiler flags change no operation of a program, but may its code:

@@ -106,10 +106,11 @@ class Suite:
     """
 
     def __init__(self, backend: Any, *, source: str, platform: str, quick: bool,
-                 only: list[str] | None = None):
+                 only: list[str] | None = None, distribution: str | None = None):
         import attn_backends
 
         self.backend = backend
+        self.distribution = distribution
         self.caps = backend.capabilities
         self.source = source
         self.platform = platform
@@ -271,12 +272,14 @@ def resolve(config: pytest.Config) -> Suite | None:
     if provided or name or spec:
         import attn_backends
 
+        distribution = None  # the installed distribution that serves it, when there is one
         if provided:
             backend, source = provided[0].attn_backend_provided, "in-process"
         elif spec:
             backend, source = load_object(spec), f"object {spec}"
         else:
             backend, source = attn_backends.registry.backend(name), "installed"
+            distribution = attn_backends.registry.origins[name].distribution
         if name and backend.name != name:
             raise pytest.UsageError(
                 f"--attn-backend={name!r} but the given object is backend {backend.name!r}"
@@ -285,6 +288,7 @@ def resolve(config: pytest.Config) -> Suite | None:
         only = config.getoption("attn_only", None)
         suite = Suite(backend, source=source, platform=platform,
                       quick=bool(config.getoption("attn_quick", False)),
-                      only=sorted(f.strip() for f in only.split(",")) if only else None)
+                      only=sorted(f.strip() for f in only.split(",")) if only else None,
+                      distribution=distribution)
     config.stash[key] = suite
     return suite

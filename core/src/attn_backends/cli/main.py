@@ -1,4 +1,4 @@
-"""The ``attn-backends`` command: list, explain, check, probe, bench, doctor."""
+"""The ``attn-backends`` command: list, explain, check, matrix, probe, bench, doctor."""
 
 from __future__ import annotations
 
@@ -12,14 +12,7 @@ from ..contract.capabilities import DTYPES
 from ..contract.errors import AttnBackendsError
 from . import report as _report
 from .call_flags import add_call_flags, call_arguments, ints, margin, positive, seq_lengths
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
-    line = lambda cells: "  ".join(  # noqa: E731
-        str(c).ljust(w) for c, w in zip(cells, widths, strict=False)
-    ).rstrip()
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+from .text import table as _table
 
 
 def _registry() -> Any:
@@ -116,6 +109,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
     explanation = attention.explain(q, k, v, grad=args.grad, **kwargs)
     print(explanation.to_json() if args.json else explanation)
     return 0 if explanation.chosen else 1
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from .matrix import cmd_matrix as matrix
+
+    return matrix(args.certificates, markdown=args.markdown)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -350,6 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.add_argument("--quick", action="store_true", help="reduced case table")
     p_check.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     p_check.set_defaults(func=cmd_check)
+
+    p_matrix = sub.add_parser(
+        "matrix", help="which backend passed which contract family, from certificates")
+    p_matrix.add_argument(
+        "certificates", nargs="*", metavar="CERT",
+        help="certificate files (attn-backends check NAME --json FILE) or folders of them "
+             "(default: .certificates, where make test writes them)")
+    p_matrix.add_argument("--markdown", action="store_true",
+                          help="Markdown tables (for a README) instead of plain text")
+    p_matrix.set_defaults(func=cmd_matrix)
 
     p_tune = sub.add_parser(
         "tune", help="time every backend that may serve a call here; write a tuning table")

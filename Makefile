@@ -38,10 +38,12 @@ CERTS := .certificates
 # between the lines: xla_native (its decode path is off below jaxlib 0.12) and
 # the two Pallas adapters (each jax line has its own kernels and interpreters).
 # reference and example_dense are plain jnp with no version branch: the
-# suite's own code on jax 0.10 is run by the three that stay, so certifying
-# them there again caught nothing the newest line's run does not.
-BACKENDS := reference xla_native example_dense flash_pallas flash_triton
-COMPAT_BACKENDS := xla_native flash_pallas flash_triton
+# suite's own code on jax 0.10 is run by the backends that stay, so certifying
+# them there again caught nothing the newest line's run does not. native_cpu
+# is compiled against each line's own FFI headers (jax.ffi.include_dir()), so
+# each line certifies its own build.
+BACKENDS := reference xla_native example_dense flash_pallas flash_triton native_cpu
+COMPAT_BACKENDS := xla_native flash_pallas flash_triton native_cpu
 CERTIFY_MAIN := $(addprefix certify-main-,$(BACKENDS))
 CERTIFY_COMPAT := $(addprefix certify-compat-,$(COMPAT_BACKENDS))
 INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1

@@ -10,7 +10,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from attn_backends import AttentionCall, Operands, UnsupportedError
 
 from ._library import TARGETS, load_error

@@ -9,11 +9,13 @@
 // arithmetic never depends on the thread it runs on, so the answer is the
 // same bit for bit at any thread count.
 //
-// Vectorisation: every hot loop runs over a contiguous float32 axis with no
-// reduction across lanes (K and V blocks are transposed into scratch where a
-// product needs it), so the compiler vectorises it without -ffast-math. The
-// item functions are compiled twice (target_clones): for x86-64-v3 (AVX2 and
-// FMA) and for the baseline, picked once at load time by the CPU's features.
+// Vectorisation: the products are one GEMM shape on vectors (GCC/Clang
+// vector extensions), the exponentials a branch-free vector polynomial; the
+// rest are plain loops over contiguous float32 the compiler vectorises. No
+// -ffast-math: every sum runs in an order fixed by the shapes alone. This
+// file is compiled once per instruction set (CMakeLists.txt): for x86-64-v3
+// (AVX2 + FMA; ATTN_ISA isa_v3) and for the baseline (ATTN_ISA
+// isa_baseline); dispatch.cc picks one by the CPU's features at load.
 #include "attention.h"
 
 #include <algorithm>
@@ -22,18 +24,28 @@
 #include <limits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(ATTN_NATIVE_CPU_NO_CLONES)
-#define ATTN_HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define ATTN_HOT
+#ifndef ATTN_ISA
+#define ATTN_ISA isa_baseline
+#endif
+// The vector width in bytes: 32 (8 floats, one AVX register) for x86-64-v3, 16
+// (4 floats, one SSE register) for the baseline: a vector wider than the
+// target's registers is kept in memory by the compiler (30x slower, measured).
+#ifndef ATTN_VEC_BYTES
+#define ATTN_VEC_BYTES 16
 #endif
 
 namespace attn_native_cpu {
+namespace ATTN_ISA {
 namespace {
 
-constexpr int64_t kBlockKeys = 128;  // keys per block (scratch rows of K, V, S)
-constexpr int64_t kRowsPerItem = 64;  // query rows (heads x positions) per item
+#ifndef ATTN_BK
+#define ATTN_BK 128
+#endif
+#ifndef ATTN_ROWS
+#define ATTN_ROWS 64
+#endif
+constexpr int64_t kBlockKeys = ATTN_BK;  // keys per block (scratch rows of K, V, S)
+constexpr int64_t kRowsPerItem = ATTN_ROWS;  // query rows (heads x positions) per item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float Bf16ToF32(uint16_t x) {
@@ -70,30 +82,6 @@ inline void StoreRow(DType dtype, void* dst, int64_t offset, int64_t n, const fl
     uint16_t* d = static_cast<uint16_t*>(dst) + offset;
     for (int64_t i = 0; i < n; ++i) d[i] = F32ToBf16(src[i] * factor);
   }
-}
-
-// exp(x) for x <= ~0 (scores minus a running max or the lse), branch-free so a
-// loop over it vectorises: 2^n * e^r with |r| <= ln2/2 and a degree-7 Taylor
-// polynomial (relative error below 2e-7); inputs below -87 give 2^-126 or less
-// scaled, and callers only pass visible keys' scores.
-inline float FastExp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float t = x * 1.44269504088896341f;
-  const int32_t n = static_cast<int32_t>(t + (t >= 0.0f ? 0.5f : -0.5f));
-  const float nf = static_cast<float>(n);
-  const float r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // The visible keys [lo, hi) of query position i in batch row b (lo >= hi: none).
@@ -135,46 +123,173 @@ void LoadKeys(const Params& p, DType dtype, const void* src, int64_t width, int6
   }
 }
 
-// Scores of one (scaled) query row against keys [a, e) of a transposed block:
-// s[jj] = q . k_jj, softcapped when asked (tanh_out keeps tanh for the backward).
-inline void Scores(const Params& p, const float* q, const float* kt, int64_t a, int64_t e,
-                   float* s, float* tanh_out) {
-  const int64_t dims = p.shape.head_dim;
-  for (int64_t jj = a; jj < e; ++jj) s[jj] = 0.0f;
-  for (int64_t d = 0; d < dims; ++d) {
-    const float qd = q[d];
-    const float* kd = kt + d * kBlockKeys;
-    for (int64_t jj = a; jj < e; ++jj) s[jj] += qd * kd[jj];
+// C[m][n] = (accumulate ? C : 0) + A[m][k] . B[k][n], float32, row strides lda,
+// ldb, ldc. Every product of the kernels is this one shape (K, V, P and dS are
+// laid out or transposed for it): tiles of 6 rows x 2 vectors of columns held in
+// vectors (GCC/Clang vector extensions: one AVX register each on x86-64-v3,
+// one SSE register of 4 on the baseline), k summed in order, so each element's sum
+// is the same whatever the tile it falls in.
+typedef float Vec __attribute__((vector_size(ATTN_VEC_BYTES)));
+constexpr int kLanes = ATTN_VEC_BYTES / 4;
+
+// Rows of a GEMM tile: each row holds two vector accumulators, so 6 rows (12
+// registers) leave room for B's two vectors and A's broadcast in 16 registers.
+constexpr int kTileRows = 6;
+
+inline Vec LoadVec(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void StoreVec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// One tile: rows [0, R) x columns [j, j + w) of C, w = 2 * kLanes (full) or
+// less (the last columns, plain loops).
+template <int R>
+inline void GemmTile(int64_t j, int64_t w, int64_t k, const float* a, int64_t lda,
+                     const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  if (w == 2 * kLanes) {
+    Vec acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        acc[r][h] = accumulate ? LoadVec(c + r * ldc + j + kLanes * h) : Vec{};
+      }
+    }
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const Vec b0 = LoadVec(b + kk * ldb + j), b1 = LoadVec(b + kk * ldb + j + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float ar = a[r * lda + kk];
+        acc[r][0] += ar * b0;
+        acc[r][1] += ar * b1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) StoreVec(c + r * ldc + j + kLanes * h, acc[r][h]);
+    }
+    return;
   }
-  if (p.softcap > 0.0f) {
-    const float cap = p.softcap, inv = 1.0f / p.softcap;
-    for (int64_t jj = a; jj < e; ++jj) {
-      const float t = std::tanh(s[jj] * inv);
-      if (tanh_out != nullptr) tanh_out[jj] = t;
-      s[jj] = cap * t;
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * ldc;
+    if (!accumulate) {
+      for (int64_t x = j; x < j + w; ++x) cr[x] = 0.0f;
+    }
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float ar = a[r * lda + kk];
+      const float* bk = b + kk * ldb;
+      for (int64_t x = j; x < j + w; ++x) cr[x] += ar * bk[x];
     }
   }
 }
 
-// dp[jj] = do . v_jj over keys [a, e) of a transposed V block.
-inline void RowDotKeys(const float* x, const float* cols, int64_t width, int64_t a, int64_t e,
-                       float* out) {
-  for (int64_t jj = a; jj < e; ++jj) out[jj] = 0.0f;
-  for (int64_t d = 0; d < width; ++d) {
-    const float xd = x[d];
-    const float* c = cols + d * kBlockKeys;
-    for (int64_t jj = a; jj < e; ++jj) out[jj] += xd * c[jj];
+// Columns outer, rows inner: one panel of B (k x 2 kLanes) stays in L1 while
+// every row tile of A passes over it. The last m % kTileRows rows take a tile
+// of their own height (a 1-row tile has 2 accumulators: latency-bound).
+inline void Gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  for (int64_t j = 0; j < n; j += 2 * kLanes) {
+    const int64_t w = std::min<int64_t>(2 * kLanes, n - j);
+    int64_t i = 0;
+    for (; i + kTileRows <= m; i += kTileRows) {
+      GemmTile<kTileRows>(j, w, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate);
+    }
+    const float* ai = a + i * lda;
+    float* ci = c + i * ldc;
+    switch (m - i) {
+      case 5: GemmTile<5>(j, w, k, ai, lda, b, ldb, ci, ldc, accumulate); break;
+      case 4: GemmTile<4>(j, w, k, ai, lda, b, ldb, ci, ldc, accumulate); break;
+      case 3: GemmTile<3>(j, w, k, ai, lda, b, ldb, ci, ldc, accumulate); break;
+      case 2: GemmTile<2>(j, w, k, ai, lda, b, ldb, ci, ldc, accumulate); break;
+      case 1: GemmTile<1>(j, w, k, ai, lda, b, ldb, ci, ldc, accumulate); break;
+      default: break;
+    }
   }
 }
 
-// acc[:] += sum over jj in [a, e) of w[jj] * rows[jj][:].
-inline void AccumulateRows(const float* w, const float* rows, int64_t width, int64_t a,
-                           int64_t e, float* acc) {
-  for (int64_t jj = a; jj < e; ++jj) {
-    const float wj = w[jj];
-    const float* r = rows + jj * width;
-    for (int64_t d = 0; d < width; ++d) acc[d] += wj * r[d];
+typedef int32_t VecI __attribute__((vector_size(ATTN_VEC_BYTES)));
+
+inline Vec Splat(float f) { return Vec{} + f; }
+
+// exp(x) per lane, branch-free: 2^n * e^r with n = round(x / ln2) (the
+// 1.5 * 2^23 trick) and |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
+// (relative error below 2e-7). x is clamped to [-87, 88]: callers pass scores
+// minus a running maximum or the lse (<= ~0), and zero masked lanes themselves.
+// (A C-style cast between vector types of one size reinterprets the bits.)
+inline Vec ExpVec(Vec x) {
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  x = x > Splat(88.0f) ? Splat(88.0f) : x;
+  const Vec shifted = x * 1.44269504088896341f + 12582912.0f;
+  const Vec nf = shifted - 12582912.0f;
+  const VecI n = (VecI)shifted - 0x4B400000;
+  const Vec r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
+  Vec poly = Splat(1.0f / 5040.0f);
+  poly = poly * r + 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const VecI bits = (n + 127) << 23;
+  return poly * (Vec)bits;
+}
+
+// s[jj] = exp(s[jj] - shift) over whole vectors covering [a, e): the lanes
+// just outside it (within the row's kBlockKeys, a multiple of kLanes) are
+// overwritten too, and callers zero everything outside [a, e) afterwards.
+inline void ExpShifted(float* s, int64_t a, int64_t e, float shift) {
+  for (int64_t jj = a & ~int64_t{kLanes - 1}; jj < e; jj += kLanes) {
+    StoreVec(s + jj, ExpVec(LoadVec(s + jj) - shift));
   }
+}
+
+// Reductions over [a, e) in a fixed order (vector lanes, then the lanes in turn,
+// then the tail): the same bits on any thread.
+inline float MaxRange(const float* s, int64_t a, int64_t e) {
+  Vec m = Splat(kNegInf);
+  int64_t jj = a;
+  for (; jj + kLanes <= e; jj += kLanes) {
+    const Vec x = LoadVec(s + jj);
+    m = x > m ? x : m;
+  }
+  float out = kNegInf;
+  for (int l = 0; l < kLanes; ++l) out = std::max(out, m[l]);
+  for (; jj < e; ++jj) out = std::max(out, s[jj]);
+  return out;
+}
+
+inline float SumRange(const float* s, int64_t a, int64_t e) {
+  Vec acc{};
+  int64_t jj = a;
+  for (; jj + kLanes <= e; jj += kLanes) acc += LoadVec(s + jj);
+  float out = 0.0f;
+  for (int l = 0; l < kLanes; ++l) out += acc[l];
+  for (; jj < e; ++jj) out += s[jj];
+  return out;
+}
+
+// Zero a row of nk keys outside [a, e).
+inline void ZeroOutside(float* s, int64_t a, int64_t e, int64_t nk) {
+  for (int64_t jj = 0; jj < std::min(a, nk); ++jj) s[jj] = 0.0f;
+  for (int64_t jj = std::max<int64_t>(e, 0); jj < nk; ++jj) s[jj] = 0.0f;
+}
+
+// Softcap in place over a row's keys [a, e): s = cap * tanh(s / cap), keeping
+// tanh for the backward when tanh_out is given.
+inline void Softcap(const Params& p, int64_t a, int64_t e, float* s, float* tanh_out) {
+  const float cap = p.softcap, inv = 1.0f / p.softcap;
+  for (int64_t jj = a; jj < e; ++jj) {
+    const float t = std::tanh(s[jj] * inv);
+    if (tanh_out != nullptr) tanh_out[jj] = t;
+    s[jj] = cap * t;
+  }
+}
+
+// The visible keys of row range r in a block starting at j0 of nk keys, as
+// offsets [a, e) into the block (a >= e: none).
+inline void BlockSpan(const Range& range, int64_t j0, int64_t nk, int64_t* a, int64_t* e) {
+  *a = std::max<int64_t>(range.lo - j0, 0);
+  *e = std::min<int64_t>(range.hi - j0, nk);
 }
 
 // The rows of an item: query head (g * group + hh) at position i0 + ii.
@@ -204,14 +319,94 @@ inline int64_t QOffset(const Shape& s, int64_t b, int64_t i, int64_t h, int64_t 
   return ((b * s.q_len + i) * s.q_heads + h) * width;
 }
 
-ATTN_HOT void ForwardItem(const Params& p, DType dtype, const void* q, const void* k,
+// delta = rowsum(dout * out) - d_lse, the softmax backward's per-row constant.
+inline float RowDelta(const float* dov, const float* o, int64_t vdims, float dlse) {
+  float delta = 0.0f;
+  for (int64_t d = 0; d < vdims; ++d) delta += dov[d] * o[d];
+  return delta - (std::isfinite(dlse) ? dlse : 0.0f);
+}
+
+// What the backward keeps per row of a tile: scaled q, dout, lse, delta, range.
+struct RowTile {
+  std::vector<float> qs, dov, lse, delta;
+  std::vector<Range> range;
+  int64_t first, last;  // the union of the rows' visible keys
+};
+
+struct BackwardArgs {
+  const void *q, *k, *v, *out, *dout;
+  const float *lse, *dlse;
+  void *dq, *dk, *dv;
+};
+
+// Loads `rows` of the backward: row r is head rows.head(r) at rows.position(r).
+void LoadRowTile(const Params& p, DType dtype, const BackwardArgs& x, const Rows& rows,
+                 RowTile* t) {
+  const Shape& s = p.shape;
+  const int64_t m = rows.count(), dims = s.head_dim, vdims = s.v_head_dim;
+  t->qs.resize(m * dims);
+  t->dov.resize(m * vdims);
+  t->lse.resize(m);
+  t->delta.resize(m);
+  t->range.resize(m);
+  t->first = s.kv_len;
+  t->last = 0;
+  std::vector<float> o(vdims);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t i = rows.position(r), h = rows.head(r);
+    t->range[r] = Visible(p, rows.b, i);
+    if (t->range[r].lo < t->range[r].hi) {
+      t->first = std::min(t->first, t->range[r].lo);
+      t->last = std::max(t->last, t->range[r].hi);
+    }
+    LoadRow(dtype, x.q, QOffset(s, rows.b, i, h, dims), dims, t->qs.data() + r * dims);
+    for (int64_t d = 0; d < dims; ++d) t->qs[r * dims + d] *= p.scale;
+    LoadRow(dtype, x.dout, QOffset(s, rows.b, i, h, vdims), vdims, t->dov.data() + r * vdims);
+    LoadRow(dtype, x.out, QOffset(s, rows.b, i, h, vdims), vdims, o.data());
+    const int64_t at = (rows.b * s.q_heads + h) * s.q_len + i;
+    t->lse[r] = x.lse[at];
+    t->delta[r] = RowDelta(t->dov.data() + r * vdims, o.data(), vdims, x.dlse[at]);
+  }
+}
+
+// Probabilities P and dS of a tile's rows against one key block (kt: K
+// transposed [D][kBlockKeys], vt: V transposed [Dv][kBlockKeys]), each
+// [m][kBlockKeys], zero outside every row's visible keys:
+// p = exp(s - lse), ds = p * (dp - delta), times 1 - tanh^2 under softcap.
+void TileGradients(const Params& p, const RowTile& t, int64_t m, int64_t j0, int64_t nk,
+                   const float* kt, const float* vt, float* prob, float* ds, float* tanh_buf) {
+  const int64_t dims = p.shape.head_dim, vdims = p.shape.v_head_dim;
+  Gemm(m, nk, dims, t.qs.data(), dims, kt, kBlockKeys, prob, kBlockKeys, false);
+  Gemm(m, nk, vdims, t.dov.data(), vdims, vt, kBlockKeys, ds, kBlockKeys, false);
+  for (int64_t r = 0; r < m; ++r) {
+    int64_t a, e;
+    BlockSpan(t.range[r], j0, nk, &a, &e);
+    float* pr = prob + r * kBlockKeys;
+    float* dr = ds + r * kBlockKeys;
+    if (a < e) {
+      if (p.softcap > 0.0f) Softcap(p, a, e, pr, tanh_buf);
+      const float delta = t.delta[r];
+      ExpShifted(pr, a, e, t.lse[r]);
+      for (int64_t jj = a; jj < e; ++jj) dr[jj] = pr[jj] * (dr[jj] - delta);
+      if (p.softcap > 0.0f) {
+        for (int64_t jj = a; jj < e; ++jj) dr[jj] *= 1.0f - tanh_buf[jj] * tanh_buf[jj];
+      }
+    } else {
+      a = e = 0;
+    }
+    ZeroOutside(pr, a, e, nk);
+    ZeroOutside(dr, a, e, nk);
+  }
+}
+
+void ForwardItem(const Params& p, DType dtype, const void* q, const void* k,
                           const void* v, void* out, float* lse, int64_t item) {
   const Shape& s = p.shape;
   const Rows rows = ItemRows(p, item);
   const int64_t m = rows.count(), dims = s.head_dim, vdims = s.v_head_dim;
   std::vector<float> qs(m * dims), acc(m * vdims, 0.0f), row_max(m, kNegInf), row_sum(m, 0.0f);
   std::vector<float> kt(dims * kBlockKeys), vb(kBlockKeys * vdims), tmp(std::max(dims, vdims));
-  std::vector<float> sc(kBlockKeys);
+  std::vector<float> sc(m * kBlockKeys);
   std::vector<Range> range(m);
   int64_t first = s.kv_len, last = 0;
   for (int64_t r = 0; r < m; ++r) {
@@ -228,25 +423,27 @@ ATTN_HOT void ForwardItem(const Params& p, DType dtype, const void* q, const voi
     const int64_t nk = std::min(kBlockKeys, last - j0);
     LoadKeys(p, dtype, k, dims, rows.b, rows.g, j0, nk, nullptr, kt.data(), tmp.data());
     LoadKeys(p, dtype, v, vdims, rows.b, rows.g, j0, nk, vb.data(), nullptr, nullptr);
+    Gemm(m, nk, dims, qs.data(), dims, kt.data(), kBlockKeys, sc.data(), kBlockKeys, false);
     for (int64_t r = 0; r < m; ++r) {
-      const int64_t a = std::max<int64_t>(range[r].lo - j0, 0);
-      const int64_t e = std::min<int64_t>(range[r].hi - j0, nk);
-      if (a >= e) continue;
-      Scores(p, qs.data() + r * dims, kt.data(), a, e, sc.data(), nullptr);
-      float block_max = kNegInf;
-      for (int64_t jj = a; jj < e; ++jj) block_max = std::max(block_max, sc[jj]);
-      const float new_max = std::max(row_max[r], block_max);
-      const float alpha = std::exp(row_max[r] - new_max);  // 0 on the first block
-      // Two loops: the exponentials vectorise, the in-order sum (no -ffast-math) does not.
-      for (int64_t jj = a; jj < e; ++jj) sc[jj] = FastExp(sc[jj] - new_max);
-      float sum = 0.0f;
-      for (int64_t jj = a; jj < e; ++jj) sum += sc[jj];
+      int64_t a, e;
+      BlockSpan(range[r], j0, nk, &a, &e);
+      float* sr = sc.data() + r * kBlockKeys;
+      if (a >= e) {  // this row sees none of the block: it adds nothing
+        for (int64_t jj = 0; jj < nk; ++jj) sr[jj] = 0.0f;
+        continue;
+      }
+      if (p.softcap > 0.0f) Softcap(p, a, e, sr, nullptr);
+      const float new_max = std::max(row_max[r], MaxRange(sr, a, e));
+      const float alpha = std::exp(row_max[r] - new_max);  // 0 on the row's first block
+      ExpShifted(sr, a, e, new_max);
+      const float sum = SumRange(sr, a, e);
+      ZeroOutside(sr, a, e, nk);
       row_sum[r] = row_sum[r] * alpha + sum;
       row_max[r] = new_max;
       float* o = acc.data() + r * vdims;
       for (int64_t d = 0; d < vdims; ++d) o[d] *= alpha;
-      AccumulateRows(sc.data(), vb.data(), vdims, a, e, o);
     }
+    Gemm(m, vdims, nk, sc.data(), kBlockKeys, vb.data(), vdims, acc.data(), vdims, true);
   }
   for (int64_t r = 0; r < m; ++r) {
     const int64_t i = rows.position(r), h = rows.head(r);
@@ -258,70 +455,22 @@ ATTN_HOT void ForwardItem(const Params& p, DType dtype, const void* q, const voi
   }
 }
 
-// One row's probabilities and dS over keys [a, e): p = exp(s - lse),
-// ds = p * (dp - delta), times 1 - tanh^2 under softcap (the raw score's gradient).
-inline void RowGradients(const Params& p, const float* q, const float* dov, const float* kt,
-                         const float* vt, int64_t a, int64_t e, float lse, float delta,
-                         float* prob, float* ds, float* tanh_buf) {
-  Scores(p, q, kt, a, e, prob, tanh_buf);
-  for (int64_t jj = a; jj < e; ++jj) prob[jj] = FastExp(prob[jj] - lse);
-  RowDotKeys(dov, vt, p.shape.v_head_dim, a, e, ds);
-  for (int64_t jj = a; jj < e; ++jj) ds[jj] = prob[jj] * (ds[jj] - delta);
-  if (p.softcap > 0.0f) {
-    for (int64_t jj = a; jj < e; ++jj) ds[jj] *= 1.0f - tanh_buf[jj] * tanh_buf[jj];
-  }
-}
-
-// delta = rowsum(dout * out) - d_lse, the softmax backward's per-row constant.
-inline float RowDelta(const float* dov, const float* o, int64_t vdims, float dlse) {
-  float delta = 0.0f;
-  for (int64_t d = 0; d < vdims; ++d) delta += dov[d] * o[d];
-  return delta - (std::isfinite(dlse) ? dlse : 0.0f);
-}
-
-struct BackwardArgs {
-  const void *q, *k, *v, *out, *dout;
-  const float *lse, *dlse;
-  void *dq, *dk, *dv;
-};
-
-ATTN_HOT void DqItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
+void DqItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
   const Shape& s = p.shape;
   const Rows rows = ItemRows(p, item);
   const int64_t m = rows.count(), dims = s.head_dim, vdims = s.v_head_dim;
-  std::vector<float> qs(m * dims), dov(m * vdims), o(vdims), dq(m * dims, 0.0f);
-  std::vector<float> row_lse(m), delta(m);
+  RowTile t;
+  LoadRowTile(p, dtype, x, rows, &t);
+  std::vector<float> dq(m * dims, 0.0f);
   std::vector<float> kt(dims * kBlockKeys), kb(kBlockKeys * dims), vt(vdims * kBlockKeys);
-  std::vector<float> tmp(vdims), prob(kBlockKeys), ds(kBlockKeys), tanh_buf(kBlockKeys);
-  std::vector<Range> range(m);
-  int64_t first = s.kv_len, last = 0;
-  for (int64_t r = 0; r < m; ++r) {
-    const int64_t i = rows.position(r), h = rows.head(r);
-    range[r] = Visible(p, rows.b, i);
-    if (range[r].lo < range[r].hi) {
-      first = std::min(first, range[r].lo);
-      last = std::max(last, range[r].hi);
-    }
-    LoadRow(dtype, x.q, QOffset(s, rows.b, i, h, dims), dims, qs.data() + r * dims);
-    for (int64_t d = 0; d < dims; ++d) qs[r * dims + d] *= p.scale;
-    LoadRow(dtype, x.dout, QOffset(s, rows.b, i, h, vdims), vdims, dov.data() + r * vdims);
-    LoadRow(dtype, x.out, QOffset(s, rows.b, i, h, vdims), vdims, o.data());
-    const int64_t at = (rows.b * s.q_heads + h) * s.q_len + i;
-    row_lse[r] = x.lse[at];
-    delta[r] = RowDelta(dov.data() + r * vdims, o.data(), vdims, x.dlse[at]);
-  }
-  for (int64_t j0 = first; j0 < last; j0 += kBlockKeys) {
-    const int64_t nk = std::min(kBlockKeys, last - j0);
+  std::vector<float> tmp(vdims), prob(m * kBlockKeys), ds(m * kBlockKeys), tanh_buf(kBlockKeys);
+  for (int64_t j0 = t.first; j0 < t.last; j0 += kBlockKeys) {
+    const int64_t nk = std::min(kBlockKeys, t.last - j0);
     LoadKeys(p, dtype, x.k, dims, rows.b, rows.g, j0, nk, kb.data(), kt.data(), nullptr);
     LoadKeys(p, dtype, x.v, vdims, rows.b, rows.g, j0, nk, nullptr, vt.data(), tmp.data());
-    for (int64_t r = 0; r < m; ++r) {
-      const int64_t a = std::max<int64_t>(range[r].lo - j0, 0);
-      const int64_t e = std::min<int64_t>(range[r].hi - j0, nk);
-      if (a >= e) continue;
-      RowGradients(p, qs.data() + r * dims, dov.data() + r * vdims, kt.data(), vt.data(), a, e,
-                   row_lse[r], delta[r], prob.data(), ds.data(), tanh_buf.data());
-      AccumulateRows(ds.data(), kb.data(), dims, a, e, dq.data() + r * dims);
-    }
+    TileGradients(p, t, m, j0, nk, kt.data(), vt.data(), prob.data(), ds.data(),
+                  tanh_buf.data());
+    Gemm(m, dims, nk, ds.data(), kBlockKeys, kb.data(), dims, dq.data(), dims, true);
   }
   for (int64_t r = 0; r < m; ++r) {
     StoreRow(dtype, x.dq, QOffset(s, rows.b, rows.position(r), rows.head(r), dims), dims,
@@ -329,42 +478,45 @@ ATTN_HOT void DqItem(const Params& p, DType dtype, const BackwardArgs& x, int64_
   }
 }
 
-ATTN_HOT void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
+// dst[c][r] = src[r][c] for r < rows, c < cols (src row stride kBlockKeys).
+inline void Transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * kBlockKeys + c];
+  }
+}
+
+void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
   const Shape& s = p.shape;
   const int64_t blocks = (s.kv_len + kBlockKeys - 1) / kBlockKeys;
   const int64_t kb_index = item % blocks, bg = item / blocks;
   const int64_t b = bg / s.kv_heads, g = bg % s.kv_heads, group = s.q_heads / s.kv_heads;
   const int64_t j0 = kb_index * kBlockKeys, nk = std::min(kBlockKeys, s.kv_len - j0);
-  const int64_t dims = s.head_dim, vdims = s.v_head_dim;
+  const int64_t dims = s.head_dim, vdims = s.v_head_dim, per = PositionsPerItem(s);
+  const int64_t m_max = per * group;
   std::vector<float> kt(dims * kBlockKeys), vt(vdims * kBlockKeys), tmp(std::max(dims, vdims));
   std::vector<float> dk(kBlockKeys * dims, 0.0f), dv(kBlockKeys * vdims, 0.0f);
-  std::vector<float> qs(dims), dov(vdims), o(vdims);
-  std::vector<float> prob(kBlockKeys), ds(kBlockKeys), tanh_buf(kBlockKeys);
+  std::vector<float> prob(m_max * kBlockKeys), ds(m_max * kBlockKeys), tanh_buf(kBlockKeys);
+  std::vector<float> pt(kBlockKeys * m_max), dst(kBlockKeys * m_max);
   LoadKeys(p, dtype, x.k, dims, b, g, j0, nk, nullptr, kt.data(), tmp.data());
   LoadKeys(p, dtype, x.v, vdims, b, g, j0, nk, nullptr, vt.data(), tmp.data());
-  for (int64_t i = 0; i < s.q_len; ++i) {
-    const Range range = Visible(p, b, i);
-    const int64_t a = std::max<int64_t>(range.lo - j0, 0);
-    const int64_t e = std::min<int64_t>(range.hi - j0, nk);
-    if (a >= e) continue;
-    for (int64_t hh = 0; hh < group; ++hh) {
-      const int64_t h = g * group + hh;
-      LoadRow(dtype, x.q, QOffset(s, b, i, h, dims), dims, qs.data());
-      for (int64_t d = 0; d < dims; ++d) qs[d] *= p.scale;
-      LoadRow(dtype, x.dout, QOffset(s, b, i, h, vdims), vdims, dov.data());
-      LoadRow(dtype, x.out, QOffset(s, b, i, h, vdims), vdims, o.data());
-      const int64_t at = (b * s.q_heads + h) * s.q_len + i;
-      const float delta = RowDelta(dov.data(), o.data(), vdims, x.dlse[at]);
-      RowGradients(p, qs.data(), dov.data(), kt.data(), vt.data(), a, e, x.lse[at], delta,
-                   prob.data(), ds.data(), tanh_buf.data());
-      for (int64_t jj = a; jj < e; ++jj) {
-        const float pj = prob[jj], dsj = ds[jj];
-        float* dvr = dv.data() + jj * vdims;
-        for (int64_t d = 0; d < vdims; ++d) dvr[d] += pj * dov[d];
-        float* dkr = dk.data() + jj * dims;
-        for (int64_t d = 0; d < dims; ++d) dkr[d] += dsj * qs[d];
-      }
+  RowTile t;
+  for (int64_t i0 = 0; i0 < s.q_len; i0 += per) {
+    const int64_t positions = std::min(per, s.q_len - i0);
+    bool sees = false;  // does any position of this tile see the block?
+    for (int64_t i = i0; i < i0 + positions && !sees; ++i) {
+      const Range r = Visible(p, b, i);
+      sees = std::max(r.lo, j0) < std::min(r.hi, j0 + nk);
     }
+    if (!sees) continue;
+    const Rows rows{b, g, i0, positions, group};
+    const int64_t m = rows.count();
+    LoadRowTile(p, dtype, x, rows, &t);
+    TileGradients(p, t, m, j0, nk, kt.data(), vt.data(), prob.data(), ds.data(),
+                  tanh_buf.data());
+    Transpose(prob.data(), m, nk, pt.data());
+    Transpose(ds.data(), m, nk, dst.data());
+    Gemm(nk, vdims, m, pt.data(), m, t.dov.data(), vdims, dv.data(), vdims, true);
+    Gemm(nk, dims, m, dst.data(), m, t.qs.data(), dims, dk.data(), dims, true);
   }
   for (int64_t jj = 0; jj < nk; ++jj) {
     const int64_t row = (b * s.kv_len + j0 + jj) * s.kv_heads + g;
@@ -399,4 +551,5 @@ void Backward(const Params& p, DType dtype, const void* q, const void* k, const 
   });
 }
 
+}  // namespace ATTN_ISA
 }  // namespace attn_native_cpu

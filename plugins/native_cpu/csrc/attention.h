@@ -39,14 +39,27 @@ using ParallelFor = std::function<void(int64_t n, const std::function<void(int64
 
 enum class DType { kF32, kBF16 };
 
-// out (dtype) and lse (f32) from q, k, v (dtype).
-void Forward(const Params& p, DType dtype, const void* q, const void* k, const void* v,
-             void* out, float* lse, const ParallelFor& parallel_for);
+// The kernels, compiled once per instruction set (attention.cc); Forward and
+// Backward below run the best one this CPU supports (dispatch.cc).
+#define ATTN_NATIVE_CPU_KERNELS                                                             \
+  /* out (dtype) and lse (f32) from q, k, v (dtype). */                                    \
+  void Forward(const Params& p, DType dtype, const void* q, const void* k, const void* v,  \
+               void* out, float* lse, const ParallelFor& parallel_for);                    \
+  /* dq, dk, dv (dtype) from q, k, v, out (dtype), lse, dout (dtype) and d_lse (f32, the  \
+     cotangent of lse; non-finite entries count as 0). */                                  \
+  void Backward(const Params& p, DType dtype, const void* q, const void* k, const void* v, \
+                const void* out, const float* lse, const void* dout, const float* dlse,    \
+                void* dq, void* dk, void* dv, const ParallelFor& parallel_for);
 
-// dq, dk, dv (dtype) from q, k, v, out (dtype), lse, dout (dtype) and d_lse (f32,
-// the cotangent of lse; non-finite entries count as 0).
-void Backward(const Params& p, DType dtype, const void* q, const void* k, const void* v,
-              const void* out, const float* lse, const void* dout, const float* dlse,
-              void* dq, void* dk, void* dv, const ParallelFor& parallel_for);
+namespace isa_baseline {
+ATTN_NATIVE_CPU_KERNELS
+}  // namespace isa_baseline
+namespace isa_v3 {
+ATTN_NATIVE_CPU_KERNELS
+}  // namespace isa_v3
+ATTN_NATIVE_CPU_KERNELS
+
+// "x86-64-v3" or "baseline": the kernels Forward and Backward run on this CPU.
+const char* KernelIsa();
 
 }  // namespace attn_native_cpu

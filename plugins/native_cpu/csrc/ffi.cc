@@ -175,3 +175,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnNativeCpuBackward, BackwardImpl,
                                                         .Ret<ffi::AnyBuffer>()  // dq
                                                         .Ret<ffi::AnyBuffer>()  // dk
                                                         .Ret<ffi::AnyBuffer>()));  // dv
+
+// Which kernels this CPU runs ("x86-64-v3" or "baseline"), for diagnostics
+// (attn_backend_native_cpu._library.kernel_isa()).
+extern "C" const char* AttnNativeCpuKernelIsa() { return attn_native_cpu::KernelIsa(); }

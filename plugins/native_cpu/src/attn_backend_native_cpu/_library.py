@@ -71,3 +71,14 @@ def register(path: Path) -> str | None:
             return (f"jaxlib {jax.__version__} refused to register the FFI target {target}: "
                     f"{type(error).__name__}: {error}")
     return None
+
+
+def kernel_isa() -> str:
+    """The kernels this CPU runs, ``"x86-64-v3"`` (AVX2 + FMA) or ``"baseline"``
+    (the library dispatches once, by the CPU's features); loads the library."""
+    reason = load_error()
+    if reason is not None:
+        raise RuntimeError(f"native_cpu: {reason}")
+    query = ctypes.CDLL(str(library_path())).AttnNativeCpuKernelIsa
+    query.restype = ctypes.c_char_p
+    return query().decode()

@@ -109,14 +109,23 @@ inline int64_t PositionsPerItem(const Shape& s) {
   return std::max<int64_t>(1, kRowsPerItem / group);
 }
 
-// K (or V) block [j0, j0 + nk) of kv head g in batch b, as float32: `rows`
-// [nk][width] and/or transposed `cols` [width][kBlockKeys]; either may be null.
-void LoadKeys(const Params& p, DType dtype, const void* src, int64_t width, int64_t b,
-              int64_t g, int64_t j0, int64_t nk, float* rows, float* cols, float* tmp) {
-  const Shape& s = p.shape;
+// Where key j of kv head g of batch row b starts in K (or V), width values a row.
+struct DenseKeys {
+  const Shape& s;
+  int64_t b, g;
+  int64_t operator()(int64_t j, int64_t width) const {
+    return ((b * s.kv_len + j) * s.kv_heads + g) * width;
+  }
+};
+
+// K (or V) block [j0, j0 + nk) as float32, the rows found by `offset(j, width)`:
+// `rows` [nk][width] and/or transposed `cols` [width][kBlockKeys]; either may be null.
+template <class Offset>
+void LoadKeys(DType dtype, const void* src, int64_t width, const Offset& offset, int64_t j0,
+              int64_t nk, float* rows, float* cols, float* tmp) {
   for (int64_t jj = 0; jj < nk; ++jj) {
     float* row = rows != nullptr ? rows + jj * width : tmp;
-    LoadRow(dtype, src, ((b * s.kv_len + j0 + jj) * s.kv_heads + g) * width, width, row);
+    LoadRow(dtype, src, offset(j0 + jj, width), width, row);
     if (cols != nullptr) {
       for (int64_t d = 0; d < width; ++d) cols[d * kBlockKeys + jj] = row[d];
     }
@@ -399,30 +408,47 @@ void TileGradients(const Params& p, const RowTile& t, int64_t m, int64_t j0, int
   }
 }
 
-void ForwardItem(const Params& p, DType dtype, const void* q, const void* k,
-                          const void* v, void* out, float* lse, int64_t item) {
+// The rows of a dense item (Rows) as ForwardTile reads them.
+struct DenseView {
+  const Params& p;
+  Rows rows;
+  int64_t count() const { return rows.count(); }
+  int64_t q_offset(int64_t r, int64_t width) const {
+    return QOffset(p.shape, rows.b, rows.position(r), rows.head(r), width);
+  }
+  int64_t lse_index(int64_t r) const {
+    return (rows.b * p.shape.q_heads + rows.head(r)) * p.shape.q_len + rows.position(r);
+  }
+  Range range(int64_t r) const { return Visible(p, rows.b, rows.position(r)); }
+  DenseKeys keys() const { return {p.shape, rows.b, rows.g}; }
+};
+
+// The forward of one tile of query rows (a View: count, q_offset, lse_index,
+// range, keys), online softmax over its visible key blocks. lse may be null.
+template <class View>
+void ForwardTile(const Params& p, DType dtype, const View& view, const void* q, const void* k,
+                 const void* v, void* out, float* lse) {
   const Shape& s = p.shape;
-  const Rows rows = ItemRows(p, item);
-  const int64_t m = rows.count(), dims = s.head_dim, vdims = s.v_head_dim;
+  const int64_t m = view.count(), dims = s.head_dim, vdims = s.v_head_dim;
+  const auto keys = view.keys();
   std::vector<float> qs(m * dims), acc(m * vdims, 0.0f), row_max(m, kNegInf), row_sum(m, 0.0f);
   std::vector<float> kt(dims * kBlockKeys), vb(kBlockKeys * vdims), tmp(std::max(dims, vdims));
   std::vector<float> sc(m * kBlockKeys);
   std::vector<Range> range(m);
-  int64_t first = s.kv_len, last = 0;
+  int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
   for (int64_t r = 0; r < m; ++r) {
-    range[r] = Visible(p, rows.b, rows.position(r));
+    range[r] = view.range(r);
     if (range[r].lo < range[r].hi) {
       first = std::min(first, range[r].lo);
       last = std::max(last, range[r].hi);
     }
-    LoadRow(dtype, q, QOffset(s, rows.b, rows.position(r), rows.head(r), dims), dims,
-            qs.data() + r * dims);
+    LoadRow(dtype, q, view.q_offset(r, dims), dims, qs.data() + r * dims);
     for (int64_t d = 0; d < dims; ++d) qs[r * dims + d] *= p.scale;
   }
   for (int64_t j0 = first; j0 < last; j0 += kBlockKeys) {
     const int64_t nk = std::min(kBlockKeys, last - j0);
-    LoadKeys(p, dtype, k, dims, rows.b, rows.g, j0, nk, nullptr, kt.data(), tmp.data());
-    LoadKeys(p, dtype, v, vdims, rows.b, rows.g, j0, nk, vb.data(), nullptr, nullptr);
+    LoadKeys(dtype, k, dims, keys, j0, nk, nullptr, kt.data(), tmp.data());
+    LoadKeys(dtype, v, vdims, keys, j0, nk, vb.data(), nullptr, nullptr);
     Gemm(m, nk, dims, qs.data(), dims, kt.data(), kBlockKeys, sc.data(), kBlockKeys, false);
     for (int64_t r = 0; r < m; ++r) {
       int64_t a, e;
@@ -446,14 +472,54 @@ void ForwardItem(const Params& p, DType dtype, const void* q, const void* k,
     Gemm(m, vdims, nk, sc.data(), kBlockKeys, vb.data(), vdims, acc.data(), vdims, true);
   }
   for (int64_t r = 0; r < m; ++r) {
-    const int64_t i = rows.position(r), h = rows.head(r);
     const bool any = row_sum[r] > 0.0f;
-    StoreRow(dtype, out, QOffset(s, rows.b, i, h, vdims), vdims, acc.data() + r * vdims,
+    StoreRow(dtype, out, view.q_offset(r, vdims), vdims, acc.data() + r * vdims,
              any ? 1.0f / row_sum[r] : 0.0f);
-    lse[(rows.b * s.q_heads + h) * s.q_len + i] =
-        any ? row_max[r] + std::log(row_sum[r]) : kNegInf;
+    if (lse != nullptr) lse[view.lse_index(r)] = any ? row_max[r] + std::log(row_sum[r]) : kNegInf;
   }
 }
+
+void ForwardItem(const Params& p, DType dtype, const void* q, const void* k, const void* v,
+                 void* out, float* lse, int64_t item) {
+  ForwardTile(p, dtype, DenseView{p, ItemRows(p, item)}, q, k, v, out, lse);
+}
+
+// Paged: key j of sequence seq lives in page table[seq][j / page_size] at
+// offset j % page_size of the canonical cache [num_pages, page_size, Hkv, D].
+// A page index outside the pool is clamped into it (never read out of bounds).
+struct PagedKeys {
+  const PagedArgs& a;
+  int64_t seq, g, kv_heads;
+  int64_t operator()(int64_t j, int64_t width) const {
+    int64_t page = a.page_table[seq * a.table_width + j / a.page_size];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), a.num_pages - 1);
+    return ((page * a.page_size + j % a.page_size) * kv_heads + g) * width;
+  }
+};
+
+// Rows [t0, t0 + positions) of sequence seq (its rows start at `start`), every
+// query head of kv head g; q and out are [T, Hq, D].
+struct PagedView {
+  const Params& p;
+  const PagedArgs& a;
+  int64_t seq, g, start, t0, positions, q_len, kv_len;
+  int64_t group() const { return p.shape.q_heads / p.shape.kv_heads; }
+  int64_t count() const { return positions * group(); }
+  int64_t row(int64_t r) const { return t0 + r % positions; }
+  int64_t head(int64_t r) const { return g * group() + r / positions; }
+  int64_t q_offset(int64_t r, int64_t width) const {
+    return (row(r) * p.shape.q_heads + head(r)) * width;
+  }
+  int64_t lse_index(int64_t) const { return 0; }
+  Range range(int64_t r) const {
+    // Causal: row t sees keys up to its own position kv_len - q_len + (t - start).
+    const int64_t pos = kv_len - q_len + (row(r) - start);
+    const int64_t hi = std::min(pos + 1, kv_len);
+    const int64_t lo = a.window_left >= 0 ? std::max<int64_t>(0, pos - a.window_left) : 0;
+    return {lo, hi};
+  }
+  PagedKeys keys() const { return {a, seq, g, p.shape.kv_heads}; }
+};
 
 void DqItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
   const Shape& s = p.shape;
@@ -466,8 +532,10 @@ void DqItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
   std::vector<float> tmp(vdims), prob(m * kBlockKeys), ds(m * kBlockKeys), tanh_buf(kBlockKeys);
   for (int64_t j0 = t.first; j0 < t.last; j0 += kBlockKeys) {
     const int64_t nk = std::min(kBlockKeys, t.last - j0);
-    LoadKeys(p, dtype, x.k, dims, rows.b, rows.g, j0, nk, kb.data(), kt.data(), nullptr);
-    LoadKeys(p, dtype, x.v, vdims, rows.b, rows.g, j0, nk, nullptr, vt.data(), tmp.data());
+    LoadKeys(dtype, x.k, dims, DenseKeys{s, rows.b, rows.g}, j0, nk, kb.data(), kt.data(),
+             nullptr);
+    LoadKeys(dtype, x.v, vdims, DenseKeys{s, rows.b, rows.g}, j0, nk, nullptr, vt.data(),
+             tmp.data());
     TileGradients(p, t, m, j0, nk, kt.data(), vt.data(), prob.data(), ds.data(),
                   tanh_buf.data());
     Gemm(m, dims, nk, ds.data(), kBlockKeys, kb.data(), dims, dq.data(), dims, true);
@@ -497,8 +565,8 @@ void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) 
   std::vector<float> dk(kBlockKeys * dims, 0.0f), dv(kBlockKeys * vdims, 0.0f);
   std::vector<float> prob(m_max * kBlockKeys), ds(m_max * kBlockKeys), tanh_buf(kBlockKeys);
   std::vector<float> pt(kBlockKeys * m_max), dst(kBlockKeys * m_max);
-  LoadKeys(p, dtype, x.k, dims, b, g, j0, nk, nullptr, kt.data(), tmp.data());
-  LoadKeys(p, dtype, x.v, vdims, b, g, j0, nk, nullptr, vt.data(), tmp.data());
+  LoadKeys(dtype, x.k, dims, DenseKeys{s, b, g}, j0, nk, nullptr, kt.data(), tmp.data());
+  LoadKeys(dtype, x.v, vdims, DenseKeys{s, b, g}, j0, nk, nullptr, vt.data(), tmp.data());
   RowTile t;
   for (int64_t i0 = 0; i0 < s.q_len; i0 += per) {
     const int64_t positions = std::min(per, s.q_len - i0);
@@ -525,7 +593,40 @@ void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) 
   }
 }
 
+struct PagedItem {
+  int64_t seq, start, t0, positions, q_len, kv_len;
+};
+
 }  // namespace
+
+void PagedForward(const Params& p, const PagedArgs& a, DType dtype, const void* q,
+                  const void* k, const void* v, void* out, const ParallelFor& parallel_for) {
+  const Shape& s = p.shape;
+  const int64_t rows = s.q_len, width = s.q_heads * s.v_head_dim;
+  // Rows no counted sequence owns are zeros; so is every row first, so an
+  // inconsistent cu_q_lens leaves zeros, never uninitialised memory.
+  const size_t bytes = (dtype == DType::kF32 ? 4 : 2) * static_cast<size_t>(rows * width);
+  std::memset(out, 0, bytes);
+  const int64_t seqs = std::min<int64_t>(std::max<int64_t>(a.num_seqs, 0), a.seqs);
+  const int64_t per = PositionsPerItem(s), capacity = a.table_width * a.page_size;
+  std::vector<PagedItem> items;
+  int64_t end = 0;
+  for (int64_t seq = 0; seq < seqs; ++seq) {
+    const int64_t start = std::max<int64_t>(end, std::min<int64_t>(a.cu_q_lens[seq], rows));
+    end = std::max<int64_t>(start, std::min<int64_t>(a.cu_q_lens[seq + 1], rows));
+    const int64_t kv_len = std::min<int64_t>(std::max<int64_t>(a.kv_lens[seq], 0), capacity);
+    for (int64_t t0 = start; t0 < end; t0 += per) {
+      items.push_back({seq, start, t0, std::min(per, end - t0), end - start, kv_len});
+    }
+  }
+  const int64_t heads = s.kv_heads;
+  parallel_for(static_cast<int64_t>(items.size()) * heads, [&](int64_t i) {
+    const PagedItem& it = items[i / heads];
+    const PagedView view{p, a, it.seq, i % heads, it.start, it.t0, it.positions, it.q_len,
+                         it.kv_len};
+    ForwardTile(p, dtype, view, q, k, v, out, nullptr);
+  });
+}
 
 void Forward(const Params& p, DType dtype, const void* q, const void* k, const void* v,
              void* out, float* lse, const ParallelFor& parallel_for) {

@@ -39,6 +39,20 @@ using ParallelFor = std::function<void(int64_t n, const std::function<void(int64
 
 enum class DType { kF32, kBF16 };
 
+// A ragged paged batch (the paged contract): sequence s owns query rows
+// [cu_q_lens[s], cu_q_lens[s+1]) and keys [0, kv_lens[s]), key j in page
+// page_table[s][j / page_size]; only the first num_seqs sequences count.
+// Caches are canonical: [num_pages, page_size, Hkv, D]. Queries are causal,
+// aligned so a sequence's last row sees all its keys; window_left >= 0 bounds
+// how far back a row sees.
+struct PagedArgs {
+  const int32_t* cu_q_lens;   // [seqs + 1]
+  const int32_t* kv_lens;     // [seqs]
+  const int32_t* page_table;  // [seqs, table_width]
+  int64_t num_seqs, seqs, table_width, page_size, num_pages;
+  int64_t window_left = -1;
+};
+
 // The kernels, compiled once per instruction set (attention.cc); Forward and
 // Backward below run the best one this CPU supports (dispatch.cc).
 #define ATTN_NATIVE_CPU_KERNELS                                                             \
@@ -49,7 +63,11 @@ enum class DType { kF32, kBF16 };
      cotangent of lse; non-finite entries count as 0). */                                  \
   void Backward(const Params& p, DType dtype, const void* q, const void* k, const void* v, \
                 const void* out, const float* lse, const void* dout, const float* dlse,    \
-                void* dq, void* dk, void* dv, const ParallelFor& parallel_for);
+                void* dq, void* dk, void* dv, const ParallelFor& parallel_for);            \
+  /* out [T, Hq, D] (dtype) of q [T, Hq, D] over a paged cache (p.shape: q_len = T,  \
+     q_heads, kv_heads, head_dims; batch, kv_len unused). */                               \
+  void PagedForward(const Params& p, const PagedArgs& a, DType dtype, const void* q,       \
+                    const void* k, const void* v, void* out, const ParallelFor& parallel_for);
 
 namespace isa_baseline {
 ATTN_NATIVE_CPU_KERNELS

@@ -39,4 +39,12 @@ void Backward(const Params& p, DType dtype, const void* q, const void* k, const 
   isa_baseline::Backward(p, dtype, q, k, v, out, lse, dout, dlse, dq, dk, dv, parallel_for);
 }
 
+void PagedForward(const Params& p, const PagedArgs& a, DType dtype, const void* q,
+                  const void* k, const void* v, void* out, const ParallelFor& parallel_for) {
+#if defined(ATTN_NATIVE_CPU_HAVE_V3)
+  if (UseV3()) return isa_v3::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
+#endif
+  isa_baseline::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
+}
+
 }  // namespace attn_native_cpu

@@ -138,7 +138,51 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   return ffi::Error::Success();
 }
 
+// q [T, Hq, D]; k_pages, v_pages [num_pages, page_size, Hkv, D] (canonical);
+// cu_q_lens [S+1], kv_lens [S], page_table [S, P], num_seqs [1], all int32.
+ffi::Error PagedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                     ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> cu_q_lens,
+                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                     ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out,
+                     float scale, float softcap, int64_t window_left, int64_t threads) {
+  an::DType dtype;
+  if (auto e = ReadDType(q, &dtype); e.failure()) return e;
+  auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 ||
+      kv_lens.dimensions().size() != 1 || num_seqs.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "attn_native_cpu paged: expected q [T, Hq, D], pages [N, page_size, Hkv, D], "
+        "page_table [S, P], kv_lens [S], num_seqs [1]");
+  }
+  an::Params p;
+  p.shape = {1, qd[0], 0, qd[1], kd[2], qd[2], qd[2]};
+  p.scale = scale;
+  p.softcap = softcap;
+  an::PagedArgs a{cu_q_lens.typed_data(), kv_lens.typed_data(), page_table.typed_data(),
+                  num_seqs.typed_data()[0], td[0], td[1], kd[1], kd[0], window_left};
+  if (a.num_pages == 0 || a.page_size == 0) a.num_seqs = 0;  // no key can be read
+  an::PagedForward(p, a, dtype, q.untyped_data(), k_pages.untyped_data(),
+                   v_pages.untyped_data(), out->untyped_data(), PoolFor(pool, threads));
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnNativeCpuPaged, PagedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k_pages
+                                  .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("threads"));
 
 #define ATTN_NATIVE_CPU_ATTRS(binding)                                              \
   binding.Attr<float>("scale")                                                      \

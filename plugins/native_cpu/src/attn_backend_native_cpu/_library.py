@@ -19,6 +19,7 @@ LIBRARY_NAME = "libattn_native_cpu.so"
 TARGETS = {
     "forward": ("AttnNativeCpuForward", "attn_native_cpu_forward"),
     "backward": ("AttnNativeCpuBackward", "attn_native_cpu_backward"),
+    "paged": ("AttnNativeCpuPaged", "attn_native_cpu_paged"),
 }
 HOW_TO_BUILD = ("reinstall the distribution so it compiles (pip install --force-reinstall "
                 "attn-backend-native-cpu, or ./plugins/native_cpu from a checkout; needs a "
@@ -42,7 +43,7 @@ def load_error() -> str | None:
 
 
 def register(path: Path) -> str | None:
-    """Load the library at ``path`` and register its two FFI targets for cpu."""
+    """Load the library at ``path`` and register its FFI targets for cpu."""
     try:
         import jax
         import jax.ffi

@@ -5,7 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import attn_backends
-from attn_backends import AttentionCall, Backend, Operands
+from attn_backends import (
+    AttentionCall,
+    Backend,
+    KVCache,
+    Operands,
+    PagedBackend,
+    PagedBatch,
+    PagedCall,
+    PagedCapabilities,
+)
 from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
 
 from ._config import NativeConfig
@@ -15,7 +24,7 @@ from ._config import NativeConfig
 FEATURES = ("gqa", "causal", "window", "lengths", "softcap", "return_lse")
 
 
-class NativeCpuBackend(Backend):
+class NativeCpuBackend(Backend, PagedBackend):
     """Flash attention in C++ (XLA FFI handlers) on cpu: online softmax over
     key blocks in float32, a recomputing backward, threads over (batch, kv
     head, query block). ``options``: a :class:`NativeConfig` or None.
@@ -23,6 +32,10 @@ class NativeCpuBackend(Backend):
     The shared library loads at the first call it is asked about (``check``);
     a library that cannot load, or a jax without the FFI API, is a refusal
     whose reason is the loader's, never an error at import.
+
+    Paged calls too (:meth:`attend_paged`), on the canonical cache layout (K and
+    V each ``[num_pages, page_size, Hkv, D]``), through the same tiles: each
+    sequence's rows read its keys through the page table, block by block.
     """
 
     name = "native_cpu"
@@ -37,6 +50,11 @@ class NativeCpuBackend(Backend):
     # kernels were faster or level on cpu from S=2048 up; above reference (0).
     priority = {"cpu": 40}
     hlo_marker = "attn_native_cpu_forward"
+    # Any page size and head dim, mixed prefill and decode rows; init_cache, write
+    # and the canonical round trip are PagedBackend's canonical-layout defaults.
+    paged_capabilities = PagedCapabilities(platforms={"cpu"}, dtypes={"float32", "bfloat16"},
+                                           gqa=True, softcap=True, window=True,
+                                           jax_versions=">=0.10,<0.13")
 
     def check(self, call: AttentionCall) -> list[str]:
         """The library's load failure, if any (it loads here, on the first call)."""
@@ -44,6 +62,21 @@ class NativeCpuBackend(Backend):
 
         reason = load_error()
         return [] if reason is None else [reason]
+
+    def check_paged(self, call: PagedCall) -> list[str]:
+        """The library's load failure, if any, as for dense calls."""
+        from ._library import load_error
+
+        reason = load_error()
+        return [] if reason is None else [reason]
+
+    def attend_paged(self, call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
+                     options: Any = None) -> Any:
+        """See :class:`attn_backends.PagedBackend`; ``options`` as for :meth:`attend`."""
+        from ._paged import paged_attention
+
+        config = resolve_options(options, NativeConfig, NativeConfig)
+        return paged_attention(call, q, cache, batch, config.threads)
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                options: Any = None) -> Any:

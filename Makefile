@@ -40,18 +40,19 @@ CERTS := .certificates
 # between the lines: xla_native (its decode path is off below jaxlib 0.12) and
 # the two Pallas adapters (each jax line has its own kernels and interpreters).
 # reference and example_dense are plain jnp with no version branch: the
-# suite's own code on jax 0.10 is run by the three that stay, so certifying
-# them there again caught nothing the newest line's run does not.
-# ejkernel_xla (EasyDeL's ejkernel) certifies on the older line only, the one
-# its jax pin installs on.
-BACKENDS := reference xla_native example_dense flash_pallas flash_triton
-COMPAT_BACKENDS := xla_native flash_pallas flash_triton ejkernel_xla
+# suite's own code on jax 0.10 is run by the backends that stay, so certifying
+# them there again caught nothing the newest line's run does not. native_cpu
+# is compiled against each line's own FFI headers (jax.ffi.include_dir()), so
+# each line certifies its own build. ejkernel_xla (EasyDeL's ejkernel)
+# certifies on the older line only, the one its jax pin installs on.
+BACKENDS := reference xla_native example_dense flash_pallas flash_triton native_cpu
+COMPAT_BACKENDS := xla_native flash_pallas flash_triton native_cpu ejkernel_xla
 CERTIFY_MAIN := $(addprefix certify-main-,$(BACKENDS))
 CERTIFY_COMPAT := $(addprefix certify-compat-,$(COMPAT_BACKENDS))
 INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1
 INTERPRET_flash_triton := ATTN_BACKENDS_TRITON_INTERPRET=1
-test-main pytest-main pytest-compat test-gpu multidevice $(CERTIFY_MAIN) $(CERTIFY_COMPAT): \
-	export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
+test-main pytest-main pytest-compat test-gpu multidevice $(CERTIFY_MAIN) $(CERTIFY_COMPAT) \
+	sanitize-native_cpu: export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
 # The tests and certifications on cpu check behaviour and numbers, never speed,
 # and compiling their programs is most of their time: they compile with LLVM's
 # optimisation off (XLA's CPU code generation only: XLA's HLO passes still run,
@@ -61,7 +62,7 @@ test-main pytest-main pytest-compat test-gpu multidevice $(CERTIFY_MAIN) $(CERTI
 # `attn-backends check`, make test-gpu and the benchmarks compile with XLA's
 # defaults.
 TEST_XLA_FLAGS := --xla_backend_optimization_level=0
-pytest-main pytest-compat multidevice $(CERTIFY_MAIN) $(CERTIFY_COMPAT): \
+pytest-main pytest-compat multidevice $(CERTIFY_MAIN) $(CERTIFY_COMPAT) sanitize-native_cpu: \
 	export XLA_FLAGS += $(TEST_XLA_FLAGS)
 
 CHECK = $(VENV)/bin/attn-backends check
@@ -173,19 +174,27 @@ PYTEST_2 := -n 2 --dist loadfile --no-loadscope-reorder
 MAKE_2 := $(MAKE) -j2 --output-sync=target
 
 .PHONY: multidevice wheels-ready wheels-full wheels-xla pytest-main pytest-compat $(CERTIFY_MAIN) \
-	$(CERTIFY_COMPAT)
+	$(CERTIFY_COMPAT) sanitize-native_cpu
 
 # The longest jobs first (make -j2 starts them in this order): xla_native's
 # certification, flash_pallas's, reference's, then the short ones.
 test-main: pytest-main
 	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas certify-main-reference \
-		multidevice install-compat $(CERTIFY_MAIN)
+		multidevice install-compat $(CERTIFY_MAIN) sanitize-native_cpu
 
 pytest-main: install
 	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25
 
 multidevice: install
 	$(TIMED) $@ -- $(PY) -m pytest tests/multidevice
+
+# native_cpu's library rebuilt with sanitizers (plugins/native_cpu/sanitizers/run.sh):
+# the suite's quick table (every family) under AddressSanitizer + UBSan, and
+# the kernels on 2 threads under ThreadSanitizer (a C++ driver: TSan cannot be
+# preloaded into CPython).
+sanitize-native_cpu: install
+	$(TIMED) $@ -- plugins/native_cpu/sanitizers/run.sh address $(PY) --quick
+	$(TIMED) $@ -- plugins/native_cpu/sanitizers/run.sh thread $(PY)
 
 $(CERTIFY_MAIN): certify-main-%: install
 	mkdir -p $(CERTS)

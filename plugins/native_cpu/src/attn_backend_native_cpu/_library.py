@@ -1,0 +1,85 @@
+"""The shared library: found, loaded and its FFI targets registered once, at first use.
+
+Nothing here runs at import. :func:`load_error` is what ``check`` reports: None
+once both targets are registered with XLA, else the loader's own reason (a
+missing file, ``dlopen``'s message, a missing symbol, a jaxlib without the FFI
+API), so the registry refuses the call with it and selects another backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from importlib import resources
+from pathlib import Path
+
+#: The file CMakeLists.txt installs into the package.
+LIBRARY_NAME = "libattn_native_cpu.so"
+#: (exported C symbol, FFI target name) of each handler.
+TARGETS = {
+    "forward": ("AttnNativeCpuForward", "attn_native_cpu_forward"),
+    "backward": ("AttnNativeCpuBackward", "attn_native_cpu_backward"),
+    "paged": ("AttnNativeCpuPaged", "attn_native_cpu_paged"),
+}
+HOW_TO_BUILD = ("reinstall the distribution so it compiles (pip install --force-reinstall "
+                "attn-backend-native-cpu, or ./plugins/native_cpu from a checkout; needs a "
+                "C++17 compiler and CMake >= 3.18)")
+
+
+def library_path() -> Path:
+    """Where the library is: beside this module in a wheel install, or in the
+    editable install's build tree (scikit-build-core maps it into the package)."""
+    return Path(str(resources.files(__package__).joinpath(LIBRARY_NAME)))
+
+
+@functools.cache
+def load_error() -> str | None:
+    """Load the library and register its targets on cpu: None on success, else why not.
+
+    Cached: the first call does the work (and a failure is not retried, so every
+    later call reports the same reason without touching the loader again).
+    """
+    return register(library_path())
+
+
+def register(path: Path) -> str | None:
+    """Load the library at ``path`` and register its FFI targets for cpu."""
+    try:
+        import jax
+        import jax.ffi
+
+        needed = ("ffi_call", "register_ffi_target", "pycapsule")
+        missing = [name for name in needed if not hasattr(jax.ffi, name)]
+    except ImportError as error:
+        return f"jax.ffi is not importable here ({error}); native_cpu needs jax >= 0.10"
+    if missing:
+        return (f"the installed jax {jax.__version__} lacks jax.ffi.{', jax.ffi.'.join(missing)}; "
+                "native_cpu needs jax >= 0.10")
+    if not path.is_file():
+        return f"native library {path} is not there (the build did not run); {HOW_TO_BUILD}"
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as error:
+        return f"native library {path} failed to load: {error}; {HOW_TO_BUILD}"
+    for symbol, target in TARGETS.values():
+        try:
+            handler = getattr(library, symbol)
+        except AttributeError as error:
+            return f"native library {path} lacks the FFI handler {symbol} ({error}); {HOW_TO_BUILD}"
+        try:
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+        except Exception as error:  # noqa: BLE001 - reported as the refusal's reason
+            return (f"jaxlib {jax.__version__} refused to register the FFI target {target}: "
+                    f"{type(error).__name__}: {error}")
+    return None
+
+
+def kernel_isa() -> str:
+    """The kernels this CPU runs, ``"x86-64-v3"`` (AVX2 + FMA) or ``"baseline"``
+    (the library dispatches once, by the CPU's features); loads the library."""
+    reason = load_error()
+    if reason is not None:
+        raise RuntimeError(f"native_cpu: {reason}")
+    query = ctypes.CDLL(str(library_path())).AttnNativeCpuKernelIsa
+    query.restype = ctypes.c_char_p
+    return query().decode()

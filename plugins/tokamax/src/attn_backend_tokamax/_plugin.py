@@ -1,0 +1,99 @@
+"""The tokamax backends: one per tokamax attention implementation that has a platform.
+
+Importing this module imports no tokamax (the manifests are static; ``check``
+reads tokamax's version from its distribution metadata): ``attend`` imports
+it on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attn_backends
+from attn_backends import AttentionCall, Backend, Operands
+from attn_backends.authoring import distribution_version, manifest, refuse
+
+from ._environment import tokamax_reasons, tokamax_version
+
+#: What tokamax's plain-XLA implementations serve through its public API, as the
+#: suite certified it: no lse (the public API returns none), no dropout (it
+#: takes a keep-mask but the public API passes none), no float64 (its dot
+#: algorithm presets stop at float32). Softcap with bias is refused in
+#: ``check`` (tokamax caps after adding the bias, the contract before).
+XLA_MANIFEST = manifest(
+    platforms={"cpu", "gpu", "tpu"},
+    features={"gqa", "causal", "window", "segment_ids", "lengths", "mask", "bias", "softcap"},
+    bias_grad=True,
+    differentiable=True,
+    deterministic=True,
+    partitionable=False,
+    jax_versions=">=0.10,<0.13",
+)
+
+#: Why a call with both softcap and bias is refused (the README's findings table).
+SOFTCAP_WITH_BIAS = (
+    "softcap with bias: tokamax caps scale*q.k + bias (c*tanh((s+bias)/c)), the contract "
+    "caps scale*q.k and adds the bias after (c*tanh(s/c) + bias)"
+)
+
+
+class TokamaxBackend(Backend):
+    """A tokamax implementation behind the contract; subclasses name it.
+
+    Takes no ``options``.
+    """
+
+    #: The adapter's version with tokamax's (a local version label), so a
+    #: certificate is bound to both: another tokamax is another backend version.
+    version = (f"{distribution_version('attn-backend-tokamax')}"
+               f"+tokamax.{tokamax_version() or 'missing'}")
+    #: The implementation tokamax runs (``implementation=`` of its API).
+    implementation: ClassVar[str]
+
+    def check(self, call: AttentionCall) -> list[str]:
+        reasons = list(tokamax_reasons())
+        if call.softcap is not None and call.bias_shape is not None:
+            reasons.append(SOFTCAP_WITH_BIAS)
+        return reasons
+
+    def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
+               options: Any = None) -> Any:
+        """q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` ->
+        out ``[B, Tq, Hq, Dv]``.
+
+        Core has refused whatever the manifest does not claim before this runs;
+        what ``check`` declines is refused here too (for code calling ``attend``
+        directly), and so are options.
+        """
+        reasons = self.check(call)
+        if options is not None:
+            reasons.append(f"options: {self.name} takes none, got {type(options).__name__}")
+        refuse(self.name, call, reasons)
+        from ._adapter import run
+
+        return run(call, q, k, v, operands, self.implementation)
+
+
+class TokamaxXlaBackend(TokamaxBackend):
+    """tokamax's ``xla`` implementation: dense logits in XLA, on any platform."""
+
+    name = "tokamax_xla"
+    implementation = "xla"
+    capabilities = XLA_MANIFEST
+    # Below xla_native (50) everywhere: it materialises every logit (memory
+    # quadratic in T; BENCHMARKS.md), above reference (0).
+    priority = {"cpu": 20, "gpu": 20, "tpu": 20}
+
+
+class TokamaxXlaChunkedBackend(TokamaxBackend):
+    """tokamax's ``xla_chunked`` implementation: 512x1024 query/key chunks in XLA loops."""
+
+    name = "tokamax_xla_chunked"
+    implementation = "xla_chunked"
+    capabilities = XLA_MANIFEST
+    priority = {"cpu": 15, "gpu": 15, "tpu": 15}
+
+
+@attn_backends.hookimpl
+def attn_backends_register() -> list[Backend]:
+    return [TokamaxXlaBackend(), TokamaxXlaChunkedBackend()]

@@ -2,8 +2,10 @@
 this package imports no tokamax)."""
 
 from ._environment import TOKAMAX_CERTIFIED
+from ._interpret import interpret_mode
 from ._plugin import (
     TokamaxBackend,
+    TokamaxMosaicTpuBackend,
     TokamaxXlaBackend,
     TokamaxXlaChunkedBackend,
     attn_backends_register,
@@ -12,7 +14,9 @@ from ._plugin import (
 __all__ = [
     "TOKAMAX_CERTIFIED",
     "TokamaxBackend",
+    "TokamaxMosaicTpuBackend",
     "TokamaxXlaBackend",
     "TokamaxXlaChunkedBackend",
     "attn_backends_register",
+    "interpret_mode",
 ]

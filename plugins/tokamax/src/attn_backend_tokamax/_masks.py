@@ -48,9 +48,9 @@ def _and(parts: list[Any]) -> Any:
 def visibility(call: AttentionCall, ops: Operands, *, native: bool = True) -> Visibility:
     """The tokamax arguments for ``call``'s visibility.
 
-    ``native=False`` puts every condition into ``mask`` (for implementations
-    that take no ``q_end``/``k_end`` and no window, i.e. Mosaic TPU, which
-    takes a mask but no lengths).
+    ``native=False`` keeps only ``is_causal`` native and puts window and lengths
+    into ``mask`` (Mosaic TPU refuses tokamax's ``q_end``/``k_end``/``k_start``,
+    which its lengths and window become).
     """
     import jax.numpy as jnp
 
@@ -58,7 +58,7 @@ def visibility(call: AttentionCall, ops: Operands, *, native: bool = True) -> Vi
     j = jnp.arange(call.kv_len)[None, None, None, :]
     diag = i + call.offset
     aligned = call.offset == 0
-    native_causal = native and call.causal and aligned
+    native_causal = call.causal and aligned
     window = call.window
     native_window = (native and aligned and window is not None
                      and None not in window)
@@ -88,7 +88,7 @@ def visibility(call: AttentionCall, ops: Operands, *, native: bool = True) -> Vi
         every.append(ops.mask)
         rest.append(ops.mask)
     # Causal alone with Tk >= Tq leaves key 0 visible to every row.
-    can_empty = len(every) > (1 if call.causal else 0) or call.offset < 0
+    can_empty = bool(every) and (len(every) > 1 or not call.causal or call.offset < 0)
     rows = _and(every).any(axis=-1, keepdims=True) if can_empty else None
     return Visibility(
         is_causal=native_causal,
@@ -98,3 +98,14 @@ def visibility(call: AttentionCall, ops: Operands, *, native: bool = True) -> Vi
         mask=_and(rest),
         rows=rows,
     )
+
+
+def padded(mask: Any, call: AttentionCall, q_len: int, kv_len: int) -> Any:
+    """``mask`` (or all-visible when None) for ``call`` grown to ``[., ., q_len,
+    kv_len]``, the padded rows and keys invisible."""
+    import jax.numpy as jnp
+
+    if mask is None:
+        mask = jnp.ones((1, 1, call.q_len, call.kv_len), bool)
+    mask = jnp.broadcast_to(mask, (*mask.shape[:2], call.q_len, call.kv_len))
+    return jnp.pad(mask, ((0, 0), (0, 0), (0, q_len - call.q_len), (0, kv_len - call.kv_len)))

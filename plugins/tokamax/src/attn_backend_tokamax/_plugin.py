@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import attn_backends
-from attn_backends import AttentionCall, Backend, Operands
+from attn_backends import AttentionCall, Backend, HeadDims, Operands
 from attn_backends.authoring import distribution_version, manifest, refuse
 
 from ._environment import tokamax_reasons, tokamax_version
+from ._interpret import SWITCH
 
 #: What tokamax's plain-XLA implementations serve through its public API, as the
 #: suite certified it: no lse (the public API returns none), no dropout (it
@@ -69,6 +70,10 @@ class TokamaxBackend(Backend):
         if options is not None:
             reasons.append(f"options: {self.name} takes none, got {type(options).__name__}")
         refuse(self.name, call, reasons)
+        return self.run(call, q, k, v, operands)
+
+    def run(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands) -> Any:
+        """The adapter on :attr:`implementation`, for a call ``attend`` accepted."""
         from ._adapter import run
 
         return run(call, q, k, v, operands, self.implementation)
@@ -94,6 +99,48 @@ class TokamaxXlaChunkedBackend(TokamaxBackend):
     priority = {"cpu": 15, "gpu": 15, "tpu": 15}
 
 
+#: tokamax's Mosaic TPU (splash) implementation without the cpu that interpret
+#: mode adds: no bias, no lengths, segment ids or masks (tokamax raises
+#: NotImplementedError for its q_end, k_end, and for a boolean mask batched or
+#: per head: "Only unbatched boolean masks are supported"; the adapter's own
+#: window and causal masks are [1, 1, Tq, Tk]), float32 and bfloat16 only.
+MOSAIC_TPU_MANIFEST = manifest(
+    platforms={"tpu"},
+    features={"gqa", "causal", "window", "softcap"},
+    dtypes=frozenset({"float32", "bfloat16"}),
+    head_dims=HeadDims(),
+    differentiable=True,
+    deterministic=True,
+    partitionable=False,
+    interpret=True,
+    jax_versions=">=0.10,<0.13",
+)
+
+
+class TokamaxMosaicTpuBackend(TokamaxBackend):
+    """tokamax's ``mosaic_tpu`` implementation (its splash kernels); on cpu in
+    Pallas TPU interpret mode while the switch is on."""
+
+    name = "tokamax_mosaic_tpu"
+    implementation = "mosaic_tpu"
+    #: MOSAIC_TPU_MANIFEST, plus cpu while interpret mode is on.
+    capabilities = SWITCH.capabilities(MOSAIC_TPU_MANIFEST)  # type: ignore[assignment]
+    # Below flash_pallas (100: the same splash kernels, more features, lse) and
+    # above xla_native (50) on a TPU (not measured here: no TPU; `attn-backends
+    # tune` measures it); interpret mode on cpu is for tests only.
+    priority = {"tpu": 60, "cpu": 5}
+    hlo_marker = "tpu_custom_call"
+
+    def run(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands) -> Any:
+        """The splash kernels: compiled when lowering for tpu, interpreted when
+        lowering for cpu."""
+        from . import _mosaic_tpu
+        from ._adapter import run
+
+        impl = _mosaic_tpu.implementation(interpret=call.platform == "cpu")
+        return run(call, q, k, v, operands, impl, native=False, multiple=_mosaic_tpu.BLOCK)
+
+
 @attn_backends.hookimpl
 def attn_backends_register() -> list[Backend]:
-    return [TokamaxXlaBackend(), TokamaxXlaChunkedBackend()]
+    return [TokamaxXlaBackend(), TokamaxXlaChunkedBackend(), TokamaxMosaicTpuBackend()]

@@ -141,6 +141,23 @@ class TokamaxMosaicTpuBackend(TokamaxBackend):
         return run(call, q, k, v, operands, impl, native=False, multiple=_mosaic_tpu.BLOCK)
 
 
-@attn_backends.hookimpl
+class _Plugin:
+    """One entry point per backend, named as the backend (the registry's
+    ATTN_BACKENDS_ONLY and DISABLE name entry points), each registering one."""
+
+    def __init__(self, backend: type[Backend]) -> None:
+        self.backend = backend
+
+    @attn_backends.hookimpl
+    def attn_backends_register(self) -> list[Backend]:
+        return [self.backend()]
+
+
+XLA = _Plugin(TokamaxXlaBackend)
+XLA_CHUNKED = _Plugin(TokamaxXlaChunkedBackend)
+MOSAIC_TPU = _Plugin(TokamaxMosaicTpuBackend)
+
+
 def attn_backends_register() -> list[Backend]:
-    return [TokamaxXlaBackend(), TokamaxXlaChunkedBackend(), TokamaxMosaicTpuBackend()]
+    """Every tokamax backend (for code that wants them all, e.g. a test registry)."""
+    return [plugin.backend() for plugin in (XLA, XLA_CHUNKED, MOSAIC_TPU)]

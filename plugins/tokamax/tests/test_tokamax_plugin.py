@@ -83,7 +83,8 @@ def test_the_registry_ranks_ours_and_tokamax_together_on_cpu():
     mosaic = " ".join(_verdict(explanation, "tokamax_mosaic_tpu").reasons)
     assert "platform 'cpu' not in ['tpu']" in mosaic and "ATTN_BACKENDS_PALLAS_INTERPRET" in mosaic
     with interpret_mode():
-        assert _verdict(_explain(["tokamax_mosaic_tpu"], causal=True), "tokamax_mosaic_tpu").accepted
+        explanation = _explain(["tokamax_mosaic_tpu"], causal=True)
+    assert _verdict(explanation, "tokamax_mosaic_tpu").accepted
 
 
 def test_mosaic_tpu_declines_what_tokamax_refuses_there():

@@ -4,6 +4,7 @@ this package imports no tokamax)."""
 from ._environment import TOKAMAX_CERTIFIED
 from ._interpret import interpret_mode
 from ._plugin import (
+    ChunkSizes,
     TokamaxBackend,
     TokamaxMosaicTpuBackend,
     TokamaxXlaBackend,
@@ -12,6 +13,7 @@ from ._plugin import (
 )
 
 __all__ = [
+    "ChunkSizes",
     "TOKAMAX_CERTIFIED",
     "TokamaxBackend",
     "TokamaxMosaicTpuBackend",

@@ -24,10 +24,6 @@ import pydantic
 from tokamax._src.ops.attention import pallas_mosaic_tpu as fwd
 from tokamax._src.ops.attention import pallas_mosaic_tpu_vjp as bwd
 
-#: The q and kv block of tokamax's heuristic configs (128, the TPU lane width):
-#: each must divide its sequence, so the adapter pads Tq and Tk to it.
-BLOCK = 128
-
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True)
 class _InterpretedConfig(fwd.Config):

@@ -7,11 +7,12 @@ it on first use.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import attn_backends
 from attn_backends import AttentionCall, Backend, HeadDims, Operands
-from attn_backends.authoring import distribution_version, manifest, refuse
+from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
 
 from ._environment import tokamax_reasons, tokamax_version
 from ._interpret import SWITCH
@@ -30,6 +31,9 @@ XLA_MANIFEST = manifest(
     partitionable=False,
     jax_versions=">=0.10,<0.13",
 )
+
+#: The chunk length ``tile_small_options`` gives ``tokamax_xla_chunked``.
+SMALL_CHUNK = 16
 
 #: Why a call with both softcap and bias is refused (the README's findings table).
 SOFTCAP_WITH_BIAS = (
@@ -64,19 +68,23 @@ class TokamaxBackend(Backend):
 
         Core has refused whatever the manifest does not claim before this runs;
         what ``check`` declines is refused here too (for code calling ``attend``
-        directly), and so are options.
+        directly).
         """
-        reasons = self.check(call)
-        if options is not None:
-            reasons.append(f"options: {self.name} takes none, got {type(options).__name__}")
-        refuse(self.name, call, reasons)
-        return self.run(call, q, k, v, operands)
-
-    def run(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands) -> Any:
-        """The adapter on :attr:`implementation`, for a call ``attend`` accepted."""
+        refuse(self.name, call, self.check(call))
         from ._adapter import run
 
-        return run(call, q, k, v, operands, self.implementation)
+        return run(call, q, k, v, operands, self.implementation_for(call, options),
+                   **self.adapter_args)
+
+    #: Keyword arguments of ``_adapter.run`` for this implementation.
+    adapter_args: ClassVar[dict[str, Any]] = {}
+
+    def implementation_for(self, call: AttentionCall, options: Any) -> Any:
+        """What ``tokamax.dot_product_attention`` gets as ``implementation``: the
+        name of :attr:`implementation` (this backend takes no ``options``)."""
+        if options is not None:
+            raise ValueError(f"options: {self.name} takes none, got {type(options).__name__}")
+        return self.implementation
 
 
 class TokamaxXlaBackend(TokamaxBackend):
@@ -90,13 +98,54 @@ class TokamaxXlaBackend(TokamaxBackend):
     priority = {"cpu": 20, "gpu": 20, "tpu": 20}
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkSizes:
+    """Query and key chunk lengths of ``tokamax_xla_chunked`` (pass as ``options``;
+    None: tokamax's own, 512 queries by 1024 keys). Any positive ints: tokamax
+    runs the last, shorter chunk of each axis on its own."""
+
+    q: int
+    kv: int
+
+    def __post_init__(self) -> None:
+        for name in ("q", "kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ChunkSizes: {name}={value!r} must be an int >= 1")
+
+
 class TokamaxXlaChunkedBackend(TokamaxBackend):
-    """tokamax's ``xla_chunked`` implementation: 512x1024 query/key chunks in XLA loops."""
+    """tokamax's ``xla_chunked`` implementation: query/key chunks in XLA loops
+    (online softmax), 512x1024 by default.
+
+    ``options``: a :class:`ChunkSizes`, or None for tokamax's own.
+    """
 
     name = "tokamax_xla_chunked"
     implementation = "xla_chunked"
     capabilities = XLA_MANIFEST
     priority = {"cpu": 15, "gpu": 15, "tpu": 15}
+
+    def tile_small_options(self, call: AttentionCall) -> Any:
+        """16x16 chunks, so the suite's and the probe's few dozen tokens cross the
+        chunk loops (the default chunks hold every small call in one remainder
+        chunk); None when the call fits in one such chunk."""
+        if max(call.q_len, call.kv_len) <= SMALL_CHUNK:
+            return None
+        return ChunkSizes(SMALL_CHUNK, SMALL_CHUNK)
+
+    def implementation_for(self, call: AttentionCall, options: Any) -> Any:
+        """tokamax's own chunks (``"xla_chunked"``), or its implementation object
+        for the chunks ``options`` (a :class:`ChunkSizes`) names."""
+        chunks = resolve_options(options, ChunkSizes, lambda: None)
+        if chunks is None:
+            return self.implementation
+        from ._environment import import_tokamax
+
+        import_tokamax()
+        from tokamax._src.ops.attention import xla_chunked
+
+        return xla_chunked.XlaChunkedDotProductAttention(chunk_size=(chunks.q, chunks.kv))
 
 
 #: tokamax's Mosaic TPU (splash) implementation without the cpu that interpret
@@ -131,14 +180,17 @@ class TokamaxMosaicTpuBackend(TokamaxBackend):
     priority = {"tpu": 60, "cpu": 5}
     hlo_marker = "tpu_custom_call"
 
-    def run(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands) -> Any:
-        """The splash kernels: compiled when lowering for tpu, interpreted when
-        lowering for cpu."""
-        from . import _mosaic_tpu
-        from ._adapter import run
+    # tokamax's heuristic blocks (128 queries and keys, the TPU lane width) must
+    # divide the sequences: the adapter pads Tq and Tk to them.
+    adapter_args: ClassVar[dict[str, Any]] = {"native": False, "multiple": 128}
 
-        impl = _mosaic_tpu.implementation(interpret=call.platform == "cpu")
-        return run(call, q, k, v, operands, impl, native=False, multiple=_mosaic_tpu.BLOCK)
+    def implementation_for(self, call: AttentionCall, options: Any) -> Any:
+        """The splash kernels: compiled when lowering for tpu, interpreted when
+        lowering for cpu (takes no ``options``)."""
+        super().implementation_for(call, options)
+        from . import _mosaic_tpu
+
+        return _mosaic_tpu.implementation(interpret=call.platform == "cpu")
 
 
 class _Plugin:

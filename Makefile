@@ -40,12 +40,17 @@ CERTS := .certificates
 # reference and example_dense are plain jnp with no version branch: the
 # suite's own code on jax 0.10 is run by the three that stay, so certifying
 # them there again caught nothing the newest line's run does not.
-BACKENDS := reference xla_native example_dense flash_pallas flash_triton
-COMPAT_BACKENDS := xla_native flash_pallas flash_triton
+# tokamax's backends run another library's code, tested by its authors on
+# neither line: each is certified on both (its Mosaic TPU kernels, like
+# flash_pallas's, in Pallas' TPU interpret mode).
+TOKAMAX_BACKENDS := tokamax_xla tokamax_xla_chunked tokamax_mosaic_tpu
+BACKENDS := reference xla_native example_dense flash_pallas flash_triton $(TOKAMAX_BACKENDS)
+COMPAT_BACKENDS := xla_native flash_pallas flash_triton $(TOKAMAX_BACKENDS)
 CERTIFY_MAIN := $(addprefix certify-main-,$(BACKENDS))
 CERTIFY_COMPAT := $(addprefix certify-compat-,$(COMPAT_BACKENDS))
 INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1
 INTERPRET_flash_triton := ATTN_BACKENDS_TRITON_INTERPRET=1
+INTERPRET_tokamax_mosaic_tpu := ATTN_BACKENDS_PALLAS_INTERPRET=1
 test-main pytest-main pytest-compat test-gpu multidevice $(CERTIFY_MAIN) $(CERTIFY_COMPAT): \
 	export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
 # The tests and certifications on cpu check behaviour and numbers, never speed,
@@ -164,8 +169,8 @@ MAKE_2 := $(MAKE) -j2 --output-sync=target
 # The longest jobs first (make -j2 starts them in this order): xla_native's
 # certification, flash_pallas's, reference's, then the short ones.
 test-main: pytest-main
-	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas certify-main-reference \
-		multidevice install-compat $(CERTIFY_MAIN)
+	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas certify-main-tokamax_mosaic_tpu \
+		certify-main-reference multidevice install-compat $(CERTIFY_MAIN)
 
 pytest-main: install
 	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25
@@ -196,7 +201,8 @@ pytest-compat: install-compat
 	$(TIMED) $@ -- $(PY_COMPAT) -m pytest $(PYTEST_2) tests/core plugins/flash_pallas \
 		plugins/flash_triton plugins/cudnn tests/test_flax.py tests/test_flax_nnx.py \
 		tests/test_platform_dispatch.py plugins/xla_native/tests/test_xla_native_decode.py \
-		plugins/xla_native/tests/test_xla_native_forward_only.py $(MULTIHOST_COMPAT)
+		plugins/xla_native/tests/test_xla_native_forward_only.py \
+		plugins/tokamax/tests/test_tokamax_findings.py $(MULTIHOST_COMPAT)
 
 # xla_native's own code differs between the lines only at its decode gate: on
 # jax 0.10 its quick table (every family, decode and paged among them, with

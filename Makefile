@@ -5,8 +5,8 @@
 # there the tests of what differs between the lines (the Pallas adapters, the
 # flax adapter, xla_native's decode gate, platform dispatch, the multi-process
 # runs (jax.distributed's client differs by line), and core's cheap tests), and
-# certifies every CPU-servable backend on the newest line and those whose code
-# differs between the lines on both.
+# certifies every CPU-servable backend on the newest line and, on both, those
+# whose code differs between the lines and those wrapping another library (tokamax).
 # `make test-gpu` (on a GPU machine only) certifies the gpu backends there.
 
 # The default environment. jax >= 0.11 needs Python >= 3.12 (pyenv provides
@@ -120,8 +120,8 @@ test:
 # compatibility pytest; the jax 0.10 certifications beside the wheel installs
 # (mostly downloads), the longest first.
 test-stages: lint test-main pytest-compat
-	$(MAKE_2) certify-compat-flash_pallas wheels-full certify-compat-xla_native wheels-xla \
-		$(CERTIFY_COMPAT)
+	$(MAKE_2) certify-compat-flash_pallas wheels-full certify-compat-tokamax_xla_chunked \
+		certify-compat-xla_native wheels-xla $(CERTIFY_COMPAT)
 
 # Ruff over every Python file of the repo (pyproject.toml holds its rules): seconds.
 lint: install
@@ -167,10 +167,13 @@ MAKE_2 := $(MAKE) -j2 --output-sync=target
 	$(CERTIFY_COMPAT)
 
 # The longest jobs first (make -j2 starts them in this order): xla_native's
-# certification, flash_pallas's, reference's, then the short ones.
+# certification, flash_pallas's, tokamax_xla_chunked's (its small chunks double
+# its programs: 164 s of CPU on a loaded machine), reference's,
+# tokamax_mosaic_tpu's (interpret mode, 73 s of CPU), then the short ones.
 test-main: pytest-main
-	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas certify-main-tokamax_mosaic_tpu \
-		certify-main-reference multidevice install-compat $(CERTIFY_MAIN)
+	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas \
+		certify-main-tokamax_xla_chunked certify-main-reference \
+		certify-main-tokamax_mosaic_tpu multidevice install-compat $(CERTIFY_MAIN)
 
 pytest-main: install
 	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25

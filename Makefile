@@ -41,11 +41,14 @@ CERTS := .certificates
 # suite's own code on jax 0.10 is run by the three that stay, so certifying
 # them there again caught nothing the newest line's run does not.
 # tokamax's backends run another library's code, tested by its authors on
-# neither line: each is certified on both (its Mosaic TPU kernels, like
-# flash_pallas's, in Pallas' TPU interpret mode).
-TOKAMAX_BACKENDS := tokamax_xla tokamax_xla_chunked tokamax_mosaic_tpu
-BACKENDS := reference xla_native example_dense flash_pallas flash_triton $(TOKAMAX_BACKENDS)
-COMPAT_BACKENDS := xla_native flash_pallas flash_triton $(TOKAMAX_BACKENDS)
+# neither line: tokamax_xla and tokamax_xla_chunked are certified on both;
+# tokamax_mosaic_tpu (in Pallas' TPU interpret mode, like flash_pallas) on the
+# newest line only: on jax 0.10.2 the suite failed its backward, so it refuses
+# that line (its check; plugins/tokamax/tests/test_tokamax_findings.py, run by
+# pytest-compat, checks the refusal there).
+BACKENDS := reference xla_native example_dense flash_pallas flash_triton tokamax_xla \
+	tokamax_xla_chunked tokamax_mosaic_tpu
+COMPAT_BACKENDS := xla_native flash_pallas flash_triton tokamax_xla tokamax_xla_chunked
 CERTIFY_MAIN := $(addprefix certify-main-,$(BACKENDS))
 CERTIFY_COMPAT := $(addprefix certify-compat-,$(COMPAT_BACKENDS))
 INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1

@@ -171,8 +171,8 @@ MAKE_2 := $(MAKE) -j2 --output-sync=target
 
 # The longest jobs first (make -j2 starts them in this order): xla_native's
 # certification, flash_pallas's, tokamax_xla_chunked's (its small chunks double
-# its programs: 164 s of CPU on a loaded machine), reference's,
-# tokamax_mosaic_tpu's (interpret mode, 73 s of CPU), then the short ones.
+# its programs: 140 s of CPU), reference's,
+# tokamax_mosaic_tpu's (interpret mode, 70 s of CPU), then the short ones.
 test-main: pytest-main
 	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas \
 		certify-main-tokamax_xla_chunked certify-main-reference \

@@ -5,8 +5,8 @@
 # there the tests of what differs between the lines (the Pallas adapters, the
 # flax adapter, xla_native's decode gate, platform dispatch, the multi-process
 # runs (jax.distributed's client differs by line), and core's cheap tests), and
-# certifies every CPU-servable backend on the newest line and those whose code
-# differs between the lines on both.
+# certifies every CPU-servable backend on the newest line and, on both, those
+# whose code differs between the lines and those wrapping another library (tokamax).
 # `make test-gpu` (on a GPU machine only) certifies the gpu backends there.
 
 # The default environment. jax >= 0.11 needs Python >= 3.12 (pyenv provides
@@ -45,12 +45,22 @@ CERTS := .certificates
 # is compiled against each line's own FFI headers (jax.ffi.include_dir()), so
 # each line certifies its own build. ejkernel_xla (EasyDeL's ejkernel)
 # certifies on the older line only, the one its jax pin installs on.
-BACKENDS := reference xla_native example_dense flash_pallas flash_triton native_cpu
-COMPAT_BACKENDS := xla_native flash_pallas flash_triton native_cpu ejkernel_xla
+# tokamax's backends run another library's code, tested by its authors on
+# neither line: tokamax_xla and tokamax_xla_chunked are certified on both (the
+# quick table on jax 0.10, see TABLE_COMPAT_ below); tokamax_mosaic_tpu (in
+# Pallas' TPU interpret mode, like flash_pallas) on the newest line only: on
+# jax 0.10.2 the suite failed its backward, so it refuses that line (its check;
+# plugins/tokamax/tests/test_tokamax_findings.py, run by pytest-compat, checks
+# the refusal there).
+BACKENDS := reference xla_native example_dense flash_pallas flash_triton native_cpu \
+	tokamax_xla tokamax_xla_chunked tokamax_mosaic_tpu
+COMPAT_BACKENDS := xla_native flash_pallas flash_triton native_cpu ejkernel_xla tokamax_xla \
+	tokamax_xla_chunked
 CERTIFY_MAIN := $(addprefix certify-main-,$(BACKENDS))
 CERTIFY_COMPAT := $(addprefix certify-compat-,$(COMPAT_BACKENDS))
 INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1
 INTERPRET_flash_triton := ATTN_BACKENDS_TRITON_INTERPRET=1
+INTERPRET_tokamax_mosaic_tpu := ATTN_BACKENDS_PALLAS_INTERPRET=1
 test-main pytest-main pytest-compat test-gpu multidevice $(CERTIFY_MAIN) $(CERTIFY_COMPAT) \
 	sanitize-native_cpu: export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
 # The tests and certifications on cpu check behaviour and numbers, never speed,
@@ -125,8 +135,9 @@ test:
 # (mostly downloads), the longest first; last, failed or not, the
 # compatibility matrix of every certificate written (a second: it reads JSON).
 test-stages: lint test-main pytest-compat
-	$(MAKE_2) certify-compat-flash_pallas wheels-full certify-compat-xla_native wheels-xla \
-		$(CERTIFY_COMPAT); status=$$?; $(MAKE) matrix && exit $$status
+	$(MAKE_2) certify-compat-flash_pallas wheels-full certify-compat-tokamax_xla_chunked \
+		certify-compat-xla_native wheels-xla $(CERTIFY_COMPAT); status=$$?; \
+		$(MAKE) matrix && exit $$status
 
 # Library x backend x contract family, from the certificates in $(CERTS)
 # (`attn-backends matrix --markdown` for the README's table).
@@ -177,10 +188,14 @@ MAKE_2 := $(MAKE) -j2 --output-sync=target
 	$(CERTIFY_COMPAT) sanitize-native_cpu
 
 # The longest jobs first (make -j2 starts them in this order): xla_native's
-# certification, flash_pallas's, reference's, then the short ones.
+# certification, flash_pallas's, tokamax_xla_chunked's (its small chunks double
+# its programs: 140 s of CPU), reference's,
+# tokamax_mosaic_tpu's (interpret mode, 70 s of CPU), then the short ones.
 test-main: pytest-main
-	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas certify-main-reference \
-		multidevice install-compat $(CERTIFY_MAIN) sanitize-native_cpu
+	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas \
+		certify-main-tokamax_xla_chunked certify-main-reference \
+		certify-main-tokamax_mosaic_tpu multidevice install-compat $(CERTIFY_MAIN) \
+		sanitize-native_cpu
 
 pytest-main: install
 	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25
@@ -220,7 +235,8 @@ pytest-compat: install-compat
 		plugins/flash_triton plugins/cudnn tests/test_flax.py tests/test_flax_nnx.py \
 		tests/test_platform_dispatch.py plugins/xla_native/tests/test_xla_native_decode.py \
 		plugins/xla_native/tests/test_xla_native_forward_only.py \
-		plugins/ejkernel/tests/test_ejkernel_xla.py $(MULTIHOST_COMPAT)
+		plugins/ejkernel/tests/test_ejkernel_xla.py plugins/tokamax/tests/test_tokamax_findings.py \
+		$(MULTIHOST_COMPAT)
 
 # xla_native's own code differs between the lines only at its decode gate: on
 # jax 0.10 its quick table (every family, decode and paged among them, with
@@ -235,6 +251,13 @@ TABLE_COMPAT_xla_native := --quick
 # `.venv-jax-0.10/bin/attn-backends check ejkernel_xla` runs it (it found two
 # findings the quick table has no case for: v_head_dim, float16 overflow).
 TABLE_COMPAT_ejkernel_xla := --quick
+# tokamax_xla and tokamax_xla_chunked: neither the adapter nor tokamax's XLA
+# path branches on the jax line; the quick table samples every family under
+# jax 0.10 (the tiled twins cross xla_chunked's chunk loops) and the newest
+# line's full table runs the remaining cases on the same code. Full tables on
+# jax 0.10: 48 s and 165 s of CPU; quick: 15 s and 24 s.
+TABLE_COMPAT_tokamax_xla := --quick
+TABLE_COMPAT_tokamax_xla_chunked := --quick
 
 $(CERTIFY_COMPAT): certify-compat-%: install-compat
 	mkdir -p $(CERTS)

@@ -11,10 +11,12 @@ from attn_backends.flax import FlaxAttention, attention_fn
 REGISTRY = ab.Registry(probe=None)
 
 #: Every installed backend that serves f32 head dim 8 with masks on cpu (both
-#: environments of make test install all three). The adapter's
-#: mapping is the same for each: the cases run on the tiled one, PRIMARY, and
-#: one case runs on every backend.
-BACKENDS = [b for b in ("reference", "xla_native", "example_dense") if b in REGISTRY.backends]
+#: environments of make test install all four; tokamax_xla is another
+#: library's kernel, picked by name like ours). The adapter's mapping is the
+#: same for each: the cases run on the tiled one, PRIMARY, and one case runs on
+#: every backend.
+BACKENDS = [b for b in ("reference", "xla_native", "example_dense", "tokamax_xla")
+            if b in REGISTRY.backends]
 PRIMARY = "xla_native" if "xla_native" in BACKENDS else "reference"
 
 

@@ -59,7 +59,11 @@ def test_pip_jax_range_is_the_manifests(path: Path, project: dict[str, Any]) -> 
     sys.path.insert(0, str(path.parent / "src"))
     try:
         for name, target in project["entry-points"]["attn_backends"].items():
-            backends = importlib.import_module(target).attn_backends_register()
+            # "module" or "module:object" (one plugin object per entry point).
+            module, _, attribute = target.partition(":")
+            plugin = importlib.import_module(module)
+            plugin = getattr(plugin, attribute) if attribute else plugin
+            backends = plugin.attn_backends_register()
             for backend in backends:
                 manifest = SpecifierSet(backend.capabilities.jax_versions)
                 if project["name"] in NARROWED_BY_AN_EXTRA:

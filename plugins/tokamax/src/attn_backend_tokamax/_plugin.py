@@ -1,0 +1,239 @@
+"""The tokamax backends: one per tokamax attention implementation that has a platform.
+
+Importing this module imports no tokamax (the manifests are static; ``check``
+reads tokamax's version from its distribution metadata): ``attend`` imports
+it on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import attn_backends
+from attn_backends import AttentionCall, Backend, HeadDims, Operands
+from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
+
+from ._environment import tokamax_reasons, tokamax_version
+from ._interpret import SWITCH
+
+#: What tokamax's plain-XLA implementations serve through its public API, as the
+#: suite certified it: no lse (the public API returns none), no dropout (it
+#: takes a keep-mask but the public API passes none), no float64 (its dot
+#: algorithm presets stop at float32). Softcap with bias is refused in
+#: ``check`` (tokamax caps after adding the bias, the contract before).
+XLA_MANIFEST = manifest(
+    platforms={"cpu", "gpu", "tpu"},
+    features={"gqa", "causal", "window", "segment_ids", "lengths", "mask", "bias", "softcap"},
+    bias_grad=True,
+    differentiable=True,
+    deterministic=True,
+    partitionable=False,
+    jax_versions=">=0.10,<0.13",
+)
+
+#: The chunk length ``tile_small_options`` gives ``tokamax_xla_chunked``.
+SMALL_CHUNK = 16
+
+#: Why a call with both softcap and bias is refused (the README's findings table).
+SOFTCAP_WITH_BIAS = (
+    "softcap with bias: tokamax caps scale*q.k + bias (c*tanh((s+bias)/c)), the contract "
+    "caps scale*q.k and adds the bias after (c*tanh(s/c) + bias)"
+)
+
+
+class TokamaxBackend(Backend):
+    """A tokamax implementation behind the contract; subclasses name it.
+
+    Takes no ``options``.
+    """
+
+    #: The adapter's version with tokamax's (a local version label), so a
+    #: certificate is bound to both: another tokamax is another backend version.
+    version = (f"{distribution_version('attn-backend-tokamax')}"
+               f"+tokamax.{tokamax_version() or 'missing'}")
+    #: The implementation tokamax runs (``implementation=`` of its API).
+    implementation: ClassVar[str]
+
+    def check(self, call: AttentionCall) -> list[str]:
+        reasons = list(tokamax_reasons())
+        if call.softcap is not None and call.bias_shape is not None:
+            reasons.append(SOFTCAP_WITH_BIAS)
+        return reasons
+
+    def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
+               options: Any = None) -> Any:
+        """q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` ->
+        out ``[B, Tq, Hq, Dv]``.
+
+        Core has refused whatever the manifest does not claim before this runs;
+        what ``check`` declines is refused here too (for code calling ``attend``
+        directly).
+        """
+        refuse(self.name, call, self.check(call))
+        from ._adapter import run
+
+        return run(call, q, k, v, operands, self.implementation_for(call, options),
+                   **self.adapter_args)
+
+    #: Keyword arguments of ``_adapter.run`` for this implementation.
+    adapter_args: ClassVar[dict[str, Any]] = {}
+
+    def implementation_for(self, call: AttentionCall, options: Any) -> Any:
+        """What ``tokamax.dot_product_attention`` gets as ``implementation``: the
+        name of :attr:`implementation` (this backend takes no ``options``)."""
+        if options is not None:
+            raise ValueError(f"options: {self.name} takes none, got {type(options).__name__}")
+        return self.implementation
+
+
+class TokamaxXlaBackend(TokamaxBackend):
+    """tokamax's ``xla`` implementation: dense logits in XLA, on any platform."""
+
+    name = "tokamax_xla"
+    implementation = "xla"
+    capabilities = XLA_MANIFEST
+    # Below xla_native (50) everywhere: it materialises every logit (memory
+    # quadratic in T; BENCHMARKS.md), above reference (0).
+    priority = {"cpu": 20, "gpu": 20, "tpu": 20}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSizes:
+    """Query and key chunk lengths of ``tokamax_xla_chunked`` (pass as ``options``;
+    None: tokamax's own, 512 queries by 1024 keys). Any positive ints: tokamax
+    runs the last, shorter chunk of each axis on its own."""
+
+    q: int
+    kv: int
+
+    def __post_init__(self) -> None:
+        for name in ("q", "kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ChunkSizes: {name}={value!r} must be an int >= 1")
+
+
+class TokamaxXlaChunkedBackend(TokamaxBackend):
+    """tokamax's ``xla_chunked`` implementation: query/key chunks in XLA loops
+    (online softmax), 512x1024 by default.
+
+    ``options``: a :class:`ChunkSizes`, or None for tokamax's own.
+    """
+
+    name = "tokamax_xla_chunked"
+    implementation = "xla_chunked"
+    capabilities = XLA_MANIFEST
+    priority = {"cpu": 15, "gpu": 15, "tpu": 15}
+
+    def tile_small_options(self, call: AttentionCall) -> Any:
+        """16x16 chunks, so the suite's and the probe's few dozen tokens cross the
+        chunk loops (the default chunks hold every small call in one remainder
+        chunk); None when the call fits in one such chunk."""
+        if max(call.q_len, call.kv_len) <= SMALL_CHUNK:
+            return None
+        return ChunkSizes(SMALL_CHUNK, SMALL_CHUNK)
+
+    def implementation_for(self, call: AttentionCall, options: Any) -> Any:
+        """tokamax's own chunks (``"xla_chunked"``), or its implementation object
+        for the chunks ``options`` (a :class:`ChunkSizes`) names."""
+        chunks = resolve_options(options, ChunkSizes, lambda: None)
+        if chunks is None:
+            return self.implementation
+        from ._environment import import_tokamax
+
+        import_tokamax()
+        from tokamax._src.ops.attention import xla_chunked
+
+        return xla_chunked.XlaChunkedDotProductAttention(chunk_size=(chunks.q, chunks.kv))
+
+
+#: tokamax's Mosaic TPU (splash) implementation without the cpu that interpret
+#: mode adds: no bias, no lengths, segment ids or masks (tokamax raises
+#: NotImplementedError for its q_end, k_end, and for a boolean mask batched or
+#: per head: "Only unbatched boolean masks are supported"; the adapter's own
+#: window and causal masks are [1, 1, Tq, Tk]), float32 and bfloat16 only.
+MOSAIC_TPU_MANIFEST = manifest(
+    platforms={"tpu"},
+    features={"gqa", "causal", "window", "softcap"},
+    dtypes=frozenset({"float32", "bfloat16"}),
+    head_dims=HeadDims(),
+    differentiable=True,
+    deterministic=True,
+    partitionable=False,
+    interpret=True,
+    jax_versions=">=0.10,<0.13",
+)
+
+
+#: The first jax line tokamax_mosaic_tpu is served on: on jax 0.10.2 the suite
+#: (interpret mode) found its backward wrong: dk and dv of every GQA/MQA case
+#: (up to 9e4x the tolerance) and dq of the one-head, unmasked Tq = Tk = 1031
+#: case; its forward passed. The full table passes on jax 0.12.
+MOSAIC_TPU_MIN_JAX = (0, 12)
+
+
+def mosaic_tpu_jax_reasons() -> list[str]:
+    """Why tokamax_mosaic_tpu is not served under the installed jax (empty: it is)."""
+    import jax
+
+    release = tuple(int(part) for part in jax.__version__.split(".")[:2])
+    if release >= MOSAIC_TPU_MIN_JAX:
+        return []
+    return [
+        f"jax {jax.__version__}: tokamax's Mosaic TPU backward failed the conformance suite "
+        "on jax 0.10.2 (wrong dk/dv with GQA, wrong dq at T=1031); it is served on jax >= "
+        f"{'.'.join(map(str, MOSAIC_TPU_MIN_JAX))} only"
+    ]
+
+
+class TokamaxMosaicTpuBackend(TokamaxBackend):
+    """tokamax's ``mosaic_tpu`` implementation (its splash kernels); on cpu in
+    Pallas TPU interpret mode while the switch is on."""
+
+    name = "tokamax_mosaic_tpu"
+    implementation = "mosaic_tpu"
+    #: MOSAIC_TPU_MANIFEST, plus cpu while interpret mode is on.
+    capabilities = SWITCH.capabilities(MOSAIC_TPU_MANIFEST)  # type: ignore[assignment]
+    # Below flash_pallas (100: the same splash kernels, more features, lse) and
+    # above xla_native (50) on a TPU (not measured here: no TPU; `attn-backends
+    # tune` measures it); interpret mode on cpu is for tests only.
+    priority = {"tpu": 60, "cpu": 5}
+    hlo_marker = "tpu_custom_call"
+
+    # tokamax's heuristic blocks (128 queries and keys, the TPU lane width) must
+    # divide the sequences: the adapter pads Tq and Tk to them.
+    adapter_args: ClassVar[dict[str, Any]] = {"native": False, "multiple": 128}
+
+    def check(self, call: AttentionCall) -> list[str]:
+        return super().check(call) + mosaic_tpu_jax_reasons()
+
+    def implementation_for(self, call: AttentionCall, options: Any) -> Any:
+        """The splash kernels: compiled when lowering for tpu, interpreted when
+        lowering for cpu (takes no ``options``)."""
+        super().implementation_for(call, options)
+        from . import _mosaic_tpu
+
+        return _mosaic_tpu.implementation(interpret=call.platform == "cpu")
+
+
+class _Plugin:
+    """One entry point per backend, named as the backend (the registry's
+    ATTN_BACKENDS_ONLY and DISABLE name entry points), each registering one."""
+
+    def __init__(self, backend: type[Backend]) -> None:
+        self.backend = backend
+
+    @attn_backends.hookimpl
+    def attn_backends_register(self) -> list[Backend]:
+        return [self.backend()]
+
+
+XLA = _Plugin(TokamaxXlaBackend)
+XLA_CHUNKED = _Plugin(TokamaxXlaChunkedBackend)
+MOSAIC_TPU = _Plugin(TokamaxMosaicTpuBackend)
+
+
+def attn_backends_register() -> list[Backend]:
+    """Every tokamax backend (for code that wants them all, e.g. a test registry)."""
+    return [plugin.backend() for plugin in (XLA, XLA_CHUNKED, MOSAIC_TPU)]

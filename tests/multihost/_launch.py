@@ -114,14 +114,16 @@ def _reap(procs: Sequence[subprocess.Popen]) -> None:
             proc.stdout.close()
 
 
-def single_process_choice() -> str:
-    """What one process alone chooses for the workers' plain call."""
+def single_process_choice(without: Sequence[str] = ()) -> str:
+    """What one process alone chooses for the workers' plain call; with ``without``,
+    what it chooses when those backends are not installed (the next in its order)."""
     import attn_backends as ab
     import numpy as np
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 32, 4, 16)).astype(np.float32) for _ in range(3))
-    return ab.registry.get().explain(q, k, v, causal=True).chosen
+    registry = ab.Registry(disable=without) if without else ab.registry
+    return registry.get().explain(q, k, v, causal=True).chosen
 
 
 def one_choice(results: list[dict]) -> str:

@@ -128,16 +128,25 @@ test:
 	@rm -f $(STAGE_TIMES); start=$$(date +%s); $(MAKE) test-stages; status=$$?; \
 		$(TIMED) --report $$start; exit $$status
 
-# Stages: the main pytest; the multidevice tests and certifications on jax 0.12
-# (the compatibility environment installs beside them: beside the main pytest
-# its pip installs took 151 s against 42 s, and slowed the tests); the
-# compatibility pytest; the jax 0.10 certifications beside the wheel installs
-# (mostly downloads), the longest first; last, failed or not, the
+# Stages: lint, the main pytest (both cores), then everything else in one pool
+# of two jobs (make -j2 starts them in TEST_POOL's order as slots free, each
+# once its prerequisites are done: no stage waits for the slowest job of the one
+# before it). The longest first: the compatibility environment's install (the
+# compatibility pytest and certifications need it; beside the main pytest its
+# pip installs took 151 s against 42 s, and slowed the tests, so it starts after
+# it), xla_native's certification, the compatibility pytest (its own two
+# workers), flash_pallas's certifications on both lines, tokamax_xla_chunked's
+# (its small chunks double its programs: 140 s of CPU), the wheel installs
+# (mostly downloads), reference's, tokamax_mosaic_tpu's (interpret mode),
+# native_cpu's sanitizer builds, then the short ones. Last, failed or not, the
 # compatibility matrix of every certificate written (a second: it reads JSON).
-test-stages: lint test-main pytest-compat
-	$(MAKE_2) certify-compat-flash_pallas wheels-full certify-compat-tokamax_xla_chunked \
-		certify-compat-xla_native wheels-xla $(CERTIFY_COMPAT); status=$$?; \
-		$(MAKE) matrix && exit $$status
+TEST_POOL := install-compat certify-main-xla_native pytest-compat certify-main-flash_pallas \
+	certify-compat-flash_pallas certify-main-tokamax_xla_chunked wheels-full \
+	certify-main-reference certify-main-tokamax_mosaic_tpu sanitize-native_cpu multidevice \
+	certify-compat-ejkernel_xla certify-compat-xla_native wheels-xla $(CERTIFY_MAIN) \
+	$(CERTIFY_COMPAT)
+test-stages: lint pytest-main
+	$(MAKE_2) $(TEST_POOL); status=$$?; $(MAKE) matrix && exit $$status
 
 # Library x backend x contract family, from the certificates in $(CERTS)
 # (`attn-backends matrix --markdown` for the README's table).
@@ -187,15 +196,11 @@ MAKE_2 := $(MAKE) -j2 --output-sync=target
 .PHONY: multidevice wheels-ready wheels-full wheels-xla pytest-main pytest-compat $(CERTIFY_MAIN) \
 	$(CERTIFY_COMPAT) sanitize-native_cpu
 
-# The longest jobs first (make -j2 starts them in this order): xla_native's
-# certification, flash_pallas's, tokamax_xla_chunked's (its small chunks double
-# its programs: 140 s of CPU), reference's,
-# tokamax_mosaic_tpu's (interpret mode, 70 s of CPU), then the short ones.
+# The newest line alone (make test runs these in its pool, test-stages).
 test-main: pytest-main
 	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas \
 		certify-main-tokamax_xla_chunked certify-main-reference \
-		certify-main-tokamax_mosaic_tpu multidevice install-compat $(CERTIFY_MAIN) \
-		sanitize-native_cpu
+		certify-main-tokamax_mosaic_tpu multidevice $(CERTIFY_MAIN) sanitize-native_cpu
 
 pytest-main: install
 	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25
@@ -251,6 +256,11 @@ TABLE_COMPAT_xla_native := --quick
 # `.venv-jax-0.10/bin/attn-backends check ejkernel_xla` runs it (it found two
 # findings the quick table has no case for: v_head_dim, float16 overflow).
 TABLE_COMPAT_ejkernel_xla := --quick
+# native_cpu: the same C++ source on both lines, compiled against each line's
+# FFI headers; every case crosses those headers' ABI, which the quick table
+# (every family, decode and paged among them) samples under jax 0.10; the full
+# table's remaining cases run the same kernels, certified on the newest line.
+TABLE_COMPAT_native_cpu := --quick
 # tokamax_xla and tokamax_xla_chunked: neither the adapter nor tokamax's XLA
 # path branches on the jax line; the quick table samples every family under
 # jax 0.10 (the tiled twins cross xla_chunked's chunk loops) and the newest

@@ -11,13 +11,14 @@
 #   free or undefined behaviour aborts the run.
 # thread: builds the kernels with ThreadSanitizer into a C++ driver
 #   (race_check.cc) and runs it: races and 1-vs-2-thread differences fail.
-# Build trees go to plugins/native_cpu/build/sanitize-MODE (ignored by git).
+# Build trees go to plugins/native_cpu/build-sanitize/MODE (ignored by git), out of
+# build/, which `make dist` deletes (make test runs the two side by side).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 plugin="$(cd "$here/.." && pwd)"
 mode="${1:?usage: run.sh address PYTHON [check arguments...] | run.sh thread}"
 shift
-build="$plugin/build/sanitize-$mode"
+build="$plugin/build-sanitize/$mode"
 case "$mode" in
 address)
     python="${1:?run.sh address: give the python of a venv with the plugin installed}"

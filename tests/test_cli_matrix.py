@@ -102,11 +102,16 @@ def test_failing_unsupported_and_two_jax_lines(real: dict[str, Any], tmp_path: P
     # A full run that drew no case of a family (its manifest does not claim it)
     # beside one that ran it.
     del older["families"]["softcap"]
+    older["mode"] = "full"
     softcap = {"float32": {"passed": 2}}
     _write(folder, "example_dense", {**real, "only_families": None,
                                      "families": {**real["families"], "softcap": softcap}})
     _write(folder, "example_dense-jax-0.10", older)
     assert _matrix(capsys, str(folder))["softcap"] == ["unsupported", "pass"]
+    # The quick table samples the families: one it drew no case of is not a
+    # declaration that the backend does not serve it.
+    _write(folder, "example_dense-jax-0.10", {**older, "mode": "quick"})
+    assert _matrix(capsys, str(folder))["softcap"] == ["not in quick table", "pass"]
     # Two certificates of one backend on one line: named by their tables.
     _write(folder, "example_dense-full", {**real, "mode": "full", "only_families": None})
     assert _matrix(capsys, str(folder))["family"] == [

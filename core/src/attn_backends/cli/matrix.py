@@ -16,7 +16,9 @@ dtypes:
 - ``nothing to refuse``: a refusal family (``unclaimed``) of a manifest that
   claims everything it would check is refused;
 - ``not run``: the certificate comes from a run limited to other families
-  (``--attn-only``).
+  (``--attn-only``);
+- ``not in quick table``: the certificate comes from the quick table, which
+  holds no case of the family (it samples the families; the full table has them).
 
 Nothing here imports JAX or a backend: a matrix can be read anywhere the
 certificates are.
@@ -49,7 +51,8 @@ LEGEND = (
     "unsupported); FAIL F/N: F of its N tests failed; unsupported: the backend declares "
     "it does not serve what the family tests (its manifest claims none of it, or its "
     "check() declines every case), so none ran; not run: the certificate comes from a "
-    "run of other families only (--attn-only); nothing to refuse: the manifest claims "
+    "run of other families only (--attn-only); not in quick table: the quick table "
+    "holds no case of the family; nothing to refuse: the manifest claims "
     "everything a refusal family (unclaimed) checks is refused, so it had nothing to check."
 )
 
@@ -136,10 +139,14 @@ def load(paths: Sequence[str]) -> list[Certified]:
 
 def cell(certificate: dict[str, Any], family: str) -> str:
     """What ``certificate`` says of ``family``: pass, FAIL F/N, unsupported, nothing to
-    refuse or not run."""
+    refuse, not run or not in quick table."""
     only = certificate.get("only_families")
     if only and family not in only:
         return "not run"
+    if family not in certificate["families"] and certificate.get("mode") == "quick":
+        # The quick table samples the families: one it holds no case of says
+        # nothing of what the backend serves.
+        return "not in quick table"
     by_dtype = certificate["families"].get(family, {})
     counts = {k: sum(int(c.get(k, 0)) for c in by_dtype.values())
               for k in ("passed", "failed", "skipped")}

@@ -19,9 +19,13 @@ plugin="$(cd "$here/.." && pwd)"
 mode="${1:?usage: run.sh address PYTHON [check arguments...] | run.sh thread}"
 shift
 build="$plugin/build-sanitize/$mode"
+# An absolute path to the venv's python (not resolved past its symlink: the venv's
+# own one has jax): CMake runs it from the build tree, where a relative path such as
+# make's .venv/bin/python names nothing, and FindPython then picks another Python.
+absolute() { echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"; }
 case "$mode" in
 address)
-    python="${1:?run.sh address: give the python of a venv with the plugin installed}"
+    python="$(absolute "${1:?run.sh address: give the python of a venv with the plugin installed}")"
     shift
     cmake -S "$plugin" -B "$build" -DATTN_NATIVE_CPU_SANITIZE=address \
         -DPython_EXECUTABLE="$python" -DCMAKE_BUILD_TYPE=RelWithDebInfo > /dev/null
@@ -37,7 +41,7 @@ address)
         "$python" "$here/run_suite.py" "$build/libattn_native_cpu.so" "$@"
     ;;
 thread)
-    python="${1:-python3}"
+    python="$(absolute "${1:-$(command -v python3)}")"
     cmake -S "$plugin" -B "$build" -DATTN_NATIVE_CPU_SANITIZE=thread \
         -DPython_EXECUTABLE="$python" -DCMAKE_BUILD_TYPE=RelWithDebInfo > /dev/null
     cmake --build "$build" -j 2 --target attn_native_cpu_race_check > /dev/null

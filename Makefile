@@ -128,25 +128,18 @@ test:
 	@rm -f $(STAGE_TIMES); start=$$(date +%s); $(MAKE) test-stages; status=$$?; \
 		$(TIMED) --report $$start; exit $$status
 
-# Stages: lint, the main pytest (both cores), then everything else in one pool
-# of two jobs (make -j2 starts them in TEST_POOL's order as slots free, each
-# once its prerequisites are done: no stage waits for the slowest job of the one
-# before it). The longest first: the compatibility environment's install (the
-# compatibility pytest and certifications need it; beside the main pytest its
-# pip installs took 151 s against 42 s, and slowed the tests, so it starts after
-# it), xla_native's certification, the compatibility pytest (its own two
-# workers), flash_pallas's certifications on both lines, tokamax_xla_chunked's
-# (its small chunks double its programs: 140 s of CPU), the wheel installs
-# (mostly downloads), reference's, tokamax_mosaic_tpu's (interpret mode),
-# native_cpu's sanitizer builds, then the short ones. Last, failed or not, the
-# compatibility matrix of every certificate written (a second: it reads JSON).
-TEST_POOL := install-compat certify-main-xla_native pytest-compat certify-main-flash_pallas \
-	certify-compat-flash_pallas certify-main-tokamax_xla_chunked wheels-full \
-	certify-main-reference certify-main-tokamax_mosaic_tpu sanitize-native_cpu multidevice \
-	certify-compat-ejkernel_xla certify-compat-xla_native wheels-xla $(CERTIFY_MAIN) \
-	$(CERTIFY_COMPAT)
-test-stages: lint pytest-main
-	$(MAKE_2) $(TEST_POOL); status=$$?; $(MAKE) matrix && exit $$status
+# Stages: the main pytest; the multidevice tests, certifications and sanitizer
+# builds on jax 0.12 (the compatibility environment installs beside them: beside
+# the main pytest its pip installs took 151 s against 42 s, and slowed the
+# tests); the compatibility pytest alone (its multi-process fault cases time
+# out when other jobs share the two cores: one pool over every stage failed
+# that way); the jax 0.10 certifications beside the wheel installs (mostly
+# downloads), the longest first; last, failed or not, the compatibility matrix
+# of every certificate written (a second: it reads JSON).
+test-stages: lint test-main pytest-compat
+	$(MAKE_2) certify-compat-flash_pallas wheels-full certify-compat-tokamax_xla_chunked \
+		certify-compat-ejkernel_xla certify-compat-xla_native wheels-xla $(CERTIFY_COMPAT); \
+		status=$$?; $(MAKE) matrix && exit $$status
 
 # Library x backend x contract family, from the certificates in $(CERTS)
 # (`attn-backends matrix --markdown` for the README's table).
@@ -196,11 +189,12 @@ MAKE_2 := $(MAKE) -j2 --output-sync=target
 .PHONY: multidevice wheels-ready wheels-full wheels-xla pytest-main pytest-compat $(CERTIFY_MAIN) \
 	$(CERTIFY_COMPAT) sanitize-native_cpu
 
-# The newest line alone (make test runs these in its pool, test-stages).
+# The longest jobs first (make -j2 starts them in this order).
 test-main: pytest-main
 	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas \
 		certify-main-tokamax_xla_chunked certify-main-reference \
-		certify-main-tokamax_mosaic_tpu multidevice $(CERTIFY_MAIN) sanitize-native_cpu
+		certify-main-tokamax_mosaic_tpu sanitize-native_cpu multidevice install-compat \
+		$(CERTIFY_MAIN)
 
 pytest-main: install
 	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25

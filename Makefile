@@ -222,9 +222,12 @@ test-compat: pytest-compat
 
 # The multi-process runs on jax 0.10: what differs between the lines there is
 # jax.distributed's client and its key-value store, which every fault case and
-# the 2-process run of every call kind go through. The 4-process run (one shared
-# cache folder) and the command line on many processes add only our own code.
-MULTIHOST_COMPAT := tests/multihost/test_multihost_faults.py \
+# the 2-process run of every call kind go through, and local work (process 0
+# alone while the other waits in the client's barrier; its jitted marked call
+# rests on jax.make_user_context, whose jit cache key each line builds). The
+# 4-process run (one shared cache folder) and the command line on many processes
+# add only our own code.
+MULTIHOST_COMPAT := tests/multihost/test_multihost_faults.py tests/multihost/test_multihost_local.py \
 	"tests/multihost/test_multihost_serving.py::test_every_process_serves_plain_sharded_ring_and_paged_calls[2-False]"
 
 pytest-compat: install-compat

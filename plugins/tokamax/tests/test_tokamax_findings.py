@@ -241,12 +241,12 @@ def test_triton_tokamax_has_no_interpret_mode_and_jax_s_switch_cannot_run_it():
     # matches the oracle, but a causal forward and every backward fail to lower
     # (tokamax calls pl.program_id inside the kernels' loops and conds), so the
     # suite cannot run it. On jax 0.12 pl.dot is gone before that.
-    from attn_backend_tokamax import _triton
+    from attn_backend_tokamax import _gpu_kernels
     from jax._src import config as jax_config
 
     def attention(q, k, v, causal=False):
         return tokamax.dot_product_attention(q, k, v, is_causal=causal,
-                                             implementation=_triton.implementation(False))
+                                             implementation=_gpu_kernels.triton(False))
 
     def gradients(q, k, v):
         return jax.grad(lambda q: attention(q, k, v).sum())(q)
@@ -287,14 +287,22 @@ def test_triton_lowers_for_cuda_through_the_registry_on_jax_0_10():
     capped = _export_for_cuda(_forward_and_backward(attention, softcap=20.0, window=(16, 0)),
                               GPU_Q, GPU_KV, GPU_KV)
     assert capped.count(TRITON_CALL) == 1
+    from attn_backend_tokamax import _gpu_kernels
+
+    def raw(q, k, v):
+        return tokamax.dot_product_attention(q, k, v, logits_soft_cap=20.0,
+                                             implementation=_gpu_kernels.triton(False))
+
+    with pytest.raises(NotImplementedError, match="`logits_soft_cap` unsupported"):
+        _export_for_cuda(_forward_and_backward(raw), GPU_Q, GPU_KV, GPU_KV)
 
 
 def tokamax_triton_raw_export() -> str:
     """tokamax's Triton implementation (past its supported_on) exported for cuda."""
-    from attn_backend_tokamax import _triton
+    from attn_backend_tokamax import _gpu_kernels
 
     return _export_for_cuda(lambda q, k, v: tokamax.dot_product_attention(
-        q, k, v, implementation=_triton.implementation(False)), GPU_Q, GPU_KV, GPU_KV)
+        q, k, v, implementation=_gpu_kernels.triton(False)), GPU_Q, GPU_KV, GPU_KV)
 
 
 def test_mosaic_gpu_tokamax_asks_the_default_device_ours_says_where_to_certify():
@@ -303,6 +311,15 @@ def test_mosaic_gpu_tokamax_asks_the_default_device_ours_says_where_to_certify()
 
     with pytest.raises(NotImplementedError, match="Not supported on cpu"):
         _export_for_cuda(raw, GPU_Q, GPU_KV, GPU_KV)
+    # Past supported_on (tokamax's cross_compile option), its forward asks again.
+    from tokamax._src.ops.attention import pallas_mosaic_gpu, pallas_mosaic_gpu_kernel_sm90
+
+    sm90 = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention(
+        config=pallas_mosaic_gpu_kernel_sm90.Config(block_q=64, block_kv=64, num_stages=2))
+    with tokamax.config.cross_compile(True), pytest.raises(
+            NotImplementedError, match="only supported for sm90"):
+        _export_for_cuda(lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, implementation=sm90), GPU_Q, GPU_KV, GPU_KV)
     reasons = _gpu_refusal("tokamax_mosaic_gpu")
     assert any("here it is a cpu device: certify on a Hopper (sm90) or Blackwell GPU: "
                "make test-gpu" in r for r in reasons), reasons

@@ -206,18 +206,10 @@ class TokamaxMosaicTpuBackend(TokamaxBackend):
 #: GQA (``i // group`` in its kv index map); any head dim (blocks padded to the
 #: next power of two) and any Tq, Tk (the last block masked); the backward
 #: (dq, dk, dv and dbias) takes all of them but softcap, which gets tokamax's XLA
-#: backward (``_triton.py``). Not lse (the public API returns none) nor dropout.
+#: backward (``_gpu_kernels.py``): what the XLA implementations serve, on gpu.
 #: Lowered, not run, here: nothing here has a GPU, and tokamax's kernel cannot
 #: run in Pallas' interpreter (README).
-TRITON_MANIFEST = manifest(
-    platforms={"gpu"},
-    features={"gqa", "causal", "window", "segment_ids", "lengths", "mask", "bias", "softcap"},
-    bias_grad=True,
-    differentiable=True,
-    deterministic=True,
-    partitionable=False,
-    jax_versions=">=0.10,<0.13",
-)
+TRITON_MANIFEST = dataclasses.replace(XLA_MANIFEST, platforms=frozenset({"gpu"}))
 
 
 class TokamaxTritonBackend(TokamaxBackend):
@@ -236,9 +228,9 @@ class TokamaxTritonBackend(TokamaxBackend):
     def implementation_for(self, call: AttentionCall, options: Any) -> Any:
         """The Triton forward and backward (XLA backward with softcap; no ``options``)."""
         super().implementation_for(call, options)
-        from . import _triton
+        from . import _gpu_kernels
 
-        return _triton.implementation(softcap=call.softcap is not None)
+        return _gpu_kernels.triton(softcap=call.softcap is not None)
 
 
 #: tokamax's Mosaic GPU flash attention (sm90 and sm100 kernels), read from its
@@ -248,16 +240,8 @@ class TokamaxTritonBackend(TokamaxBackend):
 #: raise NotImplementedError for that preset); any head dim (padded to 64).
 #: Not deterministic: tokamax's own tests expect the sm100 backward to differ
 #: between runs. Not lse, dropout.
-MOSAIC_GPU_MANIFEST = manifest(
-    platforms={"gpu"},
-    features={"gqa", "causal", "window", "segment_ids", "lengths", "mask", "bias", "softcap"},
-    dtypes=frozenset({"bfloat16", "float16"}),
-    bias_grad=True,
-    differentiable=True,
-    deterministic=False,
-    partitionable=False,
-    jax_versions=">=0.10,<0.13",
-)
+MOSAIC_GPU_MANIFEST = dataclasses.replace(
+    TRITON_MANIFEST, dtypes=frozenset({"bfloat16", "float16"}), deterministic=False)
 
 #: The command that certifies the GPU backends on a GPU machine.
 CERTIFY_ON_GPU = "make test-gpu"
@@ -308,9 +292,9 @@ class TokamaxMosaicGpuBackend(TokamaxBackend):
     def implementation_for(self, call: AttentionCall, options: Any) -> Any:
         """The sm90/sm100 kernels, forward and backward (takes no ``options``)."""
         super().implementation_for(call, options)
-        from . import _mosaic_gpu
+        from . import _gpu_kernels
 
-        return _mosaic_gpu.implementation()
+        return _gpu_kernels.mosaic_gpu()
 
 
 class _Plugin:

@@ -341,6 +341,10 @@ def test_mosaic_gpu_lowers_for_cuda_on_a_hopper_default_device_on_jax_0_10():
     forward = _export_for_cuda(lambda q, k, v: attention(q, k, v, causal=True),
                                GPU_Q, GPU_KV, GPU_KV, hopper=True)
     assert forward.count(MOSAIC_GPU_CALL) == 1 and "attn/tokamax_mosaic_gpu" in forward
+    # The kernel gets T = 200 padded to 256 (a multiple of 128): tokamax alone would
+    # pad only the keys, and not hide them without a mask.
+    assert ("(tensor<2x256x8x64xbf16>, tensor<2x256x2x64xbf16>, tensor<2x256x2x64xbf16>) -> "
+            "tensor<2x256x8x64xbf16>") in forward
     both = _export_for_cuda(_forward_and_backward(attention, causal=True),
                             GPU_Q, GPU_KV, GPU_KV, hopper=True)
     assert both.count(MOSAIC_GPU_CALL) == 3  # the forward, dq, and dk/dv

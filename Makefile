@@ -51,7 +51,11 @@ CERTS := .certificates
 # Pallas' TPU interpret mode, like flash_pallas) on the newest line only: on
 # jax 0.10.2 the suite failed its backward, so it refuses that line (its check;
 # plugins/tokamax/tests/test_tokamax_findings.py, run by pytest-compat, checks
-# the refusal there).
+# the refusal there). tokamax_triton and tokamax_mosaic_gpu are in neither list:
+# they cannot run on cpu (tokamax's Triton kernel has no interpret option and
+# fails Pallas' generic interpreter; Mosaic GPU has none), so the same findings
+# file certifies them by lowering for cuda on jax 0.10 (the line that serves
+# them) and their refusal on jax 0.12; make test-gpu runs them (GPU_BACKENDS_COMPAT).
 BACKENDS := reference xla_native example_dense flash_pallas flash_triton native_cpu \
 	tokamax_xla tokamax_xla_chunked tokamax_mosaic_tpu
 COMPAT_BACKENDS := xla_native flash_pallas flash_triton native_cpu ejkernel_xla tokamax_xla \
@@ -275,6 +279,11 @@ $(CERTIFY_COMPAT): certify-compat-%: install-compat
 # jax, runs the gpu-only tests, certifies every gpu backend on the local GPU and
 # times the GPU backends against bare cuDNN (benchmarks/bench_gpu.py).
 GPU_BACKENDS := cudnn flash_triton xla_native reference
+# tokamax 0.0.12's GPU kernels are served on jax < 0.12 only (its Triton kernel
+# calls pl.dot, its Mosaic GPU kernels plgpu.kernel(out_shape=...): both gone in
+# JAX 0.12), so they are certified on the compatibility line, with JAX's CUDA
+# plugin for that jax; tokamax_mosaic_gpu on a Hopper (sm90) or Blackwell only.
+GPU_BACKENDS_COMPAT := tokamax_triton tokamax_mosaic_gpu
 test-gpu: install
 	@command -v nvidia-smi >/dev/null || \
 		{ echo "make test-gpu: no NVIDIA GPU here (nvidia-smi not found); run it on a GPU machine"; exit 1; }
@@ -284,6 +293,15 @@ test-gpu: install
 	mkdir -p $(CERTS)
 	for name in $(GPU_BACKENDS); do \
 		$(CHECK) $$name --json $(CERTS)/$$name-gpu.json || exit 1; done
+	$(MAKE) install-compat
+	$(PY_COMPAT) -m pip install -q \
+		"jax[cuda12]==$$($(PY_COMPAT) -c 'import jax; print(jax.__version__)')"
+	sm=$$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | cut -d. -f1); \
+	for name in $(GPU_BACKENDS_COMPAT); do \
+		if [ $$name = tokamax_mosaic_gpu ] && [ "$$sm" -lt 9 ]; then \
+			echo "tokamax_mosaic_gpu: needs a Hopper (sm90) or Blackwell GPU, this is sm$$sm"; \
+			continue; fi; \
+		$(CHECK_COMPAT) $$name --json $(CERTS)/$$name-gpu-jax-0.10.json || exit 1; done
 	$(VENV)/bin/attn-backends bench --device gpu --backends cudnn,flash_triton,xla_native \
 		--dtype bfloat16
 	$(PY) benchmarks/bench_gpu.py

@@ -1,10 +1,14 @@
 """Each place tokamax 0.0.12 disagrees with the contract (the README's findings
 table): tokamax's own behaviour, shown with plain tokamax calls, and what the
 backend does about it, against the float64 oracle. Tiny shapes, one compiled
-program per check."""
+program per check. The GPU kernels (Triton, Mosaic GPU) cannot run here: their
+tests lower them for cuda (``jax.export``) and find tokamax's kernels in the
+program, on the jax line that serves them, and check the refusal on the other."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import subprocess
 import sys
 
@@ -13,14 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _support import gpu_target
 from attn_backend_tokamax import interpret_mode
 from attn_backend_tokamax._environment import import_tokamax
-from attn_backend_tokamax._plugin import mosaic_tpu_jax_reasons
+from attn_backend_tokamax._jax_lines import MOSAIC_GPU, MOSAIC_TPU, TRITON
 from attn_backends import oracle
 
 tokamax = import_tokamax()
 #: Whether this jax line serves tokamax_mosaic_tpu (jax >= 0.12; the last test says why not).
-MOSAIC_SERVED = not mosaic_tpu_jax_reasons()
+MOSAIC_SERVED = not MOSAIC_TPU.reasons()
+#: Whether this jax line serves tokamax's GPU kernels (jax < 0.12 both).
+TRITON_SERVED, MOSAIC_GPU_SERVED = not TRITON.reasons(), not MOSAIC_GPU.reasons()
 RNG = np.random.default_rng(0)
 Q, K, V = (jnp.asarray(RNG.standard_normal(s), jnp.float32)
            for s in ((1, 4, 2, 8), (1, 6, 1, 8), (1, 6, 1, 8)))
@@ -155,3 +162,189 @@ def test_mosaic_tpu_on_jax_0_10_is_refused_with_the_suites_reason():
     assert verdict.accepted == MOSAIC_SERVED
     if not MOSAIC_SERVED:
         assert "backward failed the conformance suite on jax 0.10.2" in verdict.reasons[0]
+
+
+# -- GPU kernels: lowered for cuda, never run (nothing here has a GPU) --------
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_GPU_CALL = "mosaic_gpu_v2"
+#: Export refuses custom calls it does not know to be stable; these carry kernel
+#: code tied to this jaxlib (as flash_triton's export test says).
+UNSTABLE_OK = [jax.export.DisabledSafetyCheck.custom_call(call)
+               for call in (TRITON_CALL, MOSAIC_GPU_CALL)]
+GPU_Q = jax.ShapeDtypeStruct((2, 200, 8, 64), jnp.bfloat16)  # T=200: not a multiple of any block
+GPU_KV = jax.ShapeDtypeStruct((2, 200, 2, 64), jnp.bfloat16)
+
+
+class FakeHopperDevice:
+    """What tokamax reads of JAX's default device to pick its Mosaic GPU kernel
+    (``platform``, ``compute_capability``), as an H100 has them. JAX accepts a
+    default device whose type's name holds "Device"; it is set only while
+    attention is traced, so the lowering itself never sees it."""
+
+    platform = "gpu"
+    device_kind = "NVIDIA H100 80GB HBM3"
+    compute_capability = "9.0"
+    id = 0
+
+
+def _export_for_cuda(fn, *specs, hopper: bool = False) -> str:
+    """The cuda export of ``fn(*specs)``; ``hopper``: traced with an H100 as JAX's
+    default device (tokamax's Mosaic GPU asks it for the kernel to lower)."""
+
+    def traced(*args):
+        with jax.default_device(FakeHopperDevice()) if hopper else contextlib.nullcontext():
+            return fn(*args)
+
+    with gpu_target():
+        exported = jax.export.export(jax.jit(traced), platforms=["cuda"],
+                                     disabled_checks=UNSTABLE_OK)(*specs)
+    return exported.mlir_module()
+
+
+def _forward_and_backward(attention, **kw):
+    def f(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **kw), q, k, v)
+        return out, vjp(jnp.ones_like(out))
+
+    return f
+
+
+def _gpu_attention(name: str) -> ab.Attention:
+    return ab.Registry(only=[name], probe=None).get(device="gpu", backend=name,
+                                                    fallback="error")
+
+
+def _gpu_refusal(name: str, hopper: bool = False) -> list[str]:
+    with jax.default_device(FakeHopperDevice()) if hopper else contextlib.nullcontext():
+        explanation = ab.Registry(only=[name], probe=None).get(device="gpu").explain(
+            GPU_Q, GPU_KV, GPU_KV, causal=True)
+    (verdict,) = explanation.verdicts
+    return list(verdict.reasons)
+
+
+def jax_0_10_deprecations_in_tokamax(test):
+    """What jax 0.10 warns of in tokamax's Triton path: its kernel's pl.dot moved
+    (to jax.experimental.pallas.triton; jax 0.12 removed it: the refusal), and
+    its XLA backward's jax.core.DropVar and jaxprs built without debug info."""
+    for message in ("jax.experimental.pallas.dot was moved", "jax.core.DropVar is deprecated",
+                    "core.Jaxpr is missing a DebugInfo object"):
+        test = pytest.mark.filterwarnings(f"ignore:{message}:DeprecationWarning")(test)
+    return test
+
+
+@jax_0_10_deprecations_in_tokamax
+def test_triton_tokamax_has_no_interpret_mode_and_jax_s_switch_cannot_run_it():
+    # tokamax passes no `interpret` to its pallas_call. JAX's own switch (the
+    # config force_tpu_interpret_mode sets; True picks the generic interpreter)
+    # reaches the kernel: on jax 0.10.2 a forward without is_causal runs and
+    # matches the oracle, but a causal forward and every backward fail to lower
+    # (tokamax calls pl.program_id inside the kernels' loops and conds), so the
+    # suite cannot run it. On jax 0.12 pl.dot is gone before that.
+    from attn_backend_tokamax import _gpu_kernels
+    from jax._src import config as jax_config
+
+    def attention(q, k, v, causal=False):
+        return tokamax.dot_product_attention(q, k, v, is_causal=causal,
+                                             implementation=_gpu_kernels.triton(False))
+
+    def gradients(q, k, v):
+        return jax.grad(lambda q: attention(q, k, v).sum())(q)
+
+    unlowerable = "primitive 'program_id' not found for platform cpu"
+    switch = jax_config.pallas_tpu_interpret_mode_context_manager
+    before = switch.swap_local(True)
+    try:
+        if not TRITON_SERVED:
+            with pytest.raises(AttributeError, match="pl.dot was deprecated"):
+                jax.jit(attention)(Q, K, V)
+            return
+        with pytest.raises(NotImplementedError, match=unlowerable):
+            jax.jit(functools.partial(attention, causal=True))(Q, K, V)
+        with pytest.raises(NotImplementedError, match=unlowerable):
+            jax.jit(gradients)(Q, K, V)
+        out = jax.jit(attention)(Q, K, V)
+    finally:
+        switch.set_local(before)
+    _close(out, oracle.attention(Q, K, V)[0])
+
+
+@jax_0_10_deprecations_in_tokamax
+def test_triton_lowers_for_cuda_through_the_registry_on_jax_0_10():
+    if not TRITON_SERVED:
+        (reason,) = _gpu_refusal("tokamax_triton")
+        assert "calls pl.dot, which JAX 0.12 removed" in reason and "tokamax 0.0.12" in reason
+        with pytest.raises(AttributeError, match="pl.dot was deprecated"):
+            tokamax_triton_raw_export()
+        return
+    attention = _gpu_attention("tokamax_triton")
+    forward = _export_for_cuda(lambda q, k, v: attention(q, k, v, causal=True),
+                               GPU_Q, GPU_KV, GPU_KV)
+    assert forward.count(TRITON_CALL) == 1 and "attn/tokamax_triton" in forward
+    both = _export_for_cuda(_forward_and_backward(attention, causal=True), GPU_Q, GPU_KV, GPU_KV)
+    assert both.count(TRITON_CALL) == 2  # the forward, and dq/dk/dv in one kernel
+    # Softcap: tokamax's Triton backward raises for it; the XLA backward stands in.
+    capped = _export_for_cuda(_forward_and_backward(attention, softcap=20.0, window=(16, 0)),
+                              GPU_Q, GPU_KV, GPU_KV)
+    assert capped.count(TRITON_CALL) == 1
+    from attn_backend_tokamax import _gpu_kernels
+
+    def raw(q, k, v):
+        return tokamax.dot_product_attention(q, k, v, logits_soft_cap=20.0,
+                                             implementation=_gpu_kernels.triton(False))
+
+    with pytest.raises(NotImplementedError, match="`logits_soft_cap` unsupported"):
+        _export_for_cuda(_forward_and_backward(raw), GPU_Q, GPU_KV, GPU_KV)
+
+
+def tokamax_triton_raw_export() -> str:
+    """tokamax's Triton implementation (past its supported_on) exported for cuda."""
+    from attn_backend_tokamax import _gpu_kernels
+
+    return _export_for_cuda(lambda q, k, v: tokamax.dot_product_attention(
+        q, k, v, implementation=_gpu_kernels.triton(False)), GPU_Q, GPU_KV, GPU_KV)
+
+
+def test_mosaic_gpu_tokamax_asks_the_default_device_ours_says_where_to_certify():
+    def raw(q, k, v):
+        return tokamax.dot_product_attention(q, k, v, implementation="mosaic_gpu")
+
+    with pytest.raises(NotImplementedError, match="Not supported on cpu"):
+        _export_for_cuda(raw, GPU_Q, GPU_KV, GPU_KV)
+    # Past supported_on (tokamax's cross_compile option), its forward asks again.
+    from tokamax._src.ops.attention import pallas_mosaic_gpu, pallas_mosaic_gpu_kernel_sm90
+
+    sm90 = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention(
+        config=pallas_mosaic_gpu_kernel_sm90.Config(block_q=64, block_kv=64, num_stages=2))
+    with tokamax.config.cross_compile(True), pytest.raises(
+            NotImplementedError, match="only supported for sm90"):
+        _export_for_cuda(lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, implementation=sm90), GPU_Q, GPU_KV, GPU_KV)
+    reasons = _gpu_refusal("tokamax_mosaic_gpu")
+    assert any("here it is a cpu device: certify on a Hopper (sm90) or Blackwell GPU: "
+               "make test-gpu" in r for r in reasons), reasons
+    hopper_reasons = _gpu_refusal("tokamax_mosaic_gpu", hopper=True)
+    assert hopper_reasons == ([] if MOSAIC_GPU_SERVED else MOSAIC_GPU.reasons())
+
+
+@pytest.mark.filterwarnings(
+    "ignore:The out_shape and scratch_shapes arguments to plgpu.kernel are deprecated")
+def test_mosaic_gpu_lowers_for_cuda_on_a_hopper_default_device_on_jax_0_10():
+    if not MOSAIC_GPU_SERVED:
+        (reason,) = MOSAIC_GPU.reasons()
+        assert "plgpu.kernel(out_shape=...)" in reason and "tokamax 0.0.12" in reason
+        with pytest.raises(TypeError, match="unexpected keyword argument 'out_shape'"):
+            _export_for_cuda(lambda q, k, v: tokamax.dot_product_attention(
+                q, k, v, implementation="mosaic_gpu"), GPU_Q, GPU_KV, GPU_KV, hopper=True)
+        return
+    attention = _gpu_attention("tokamax_mosaic_gpu")
+    forward = _export_for_cuda(lambda q, k, v: attention(q, k, v, causal=True),
+                               GPU_Q, GPU_KV, GPU_KV, hopper=True)
+    assert forward.count(MOSAIC_GPU_CALL) == 1 and "attn/tokamax_mosaic_gpu" in forward
+    # The kernel gets T = 200 padded to 256 (a multiple of 128): tokamax alone would
+    # pad only the keys, and not hide them without a mask.
+    assert ("(tensor<2x256x8x64xbf16>, tensor<2x256x2x64xbf16>, tensor<2x256x2x64xbf16>) -> "
+            "tensor<2x256x8x64xbf16>") in forward
+    both = _export_for_cuda(_forward_and_backward(attention, causal=True),
+                            GPU_Q, GPU_KV, GPU_KV, hopper=True)
+    assert both.count(MOSAIC_GPU_CALL) == 3  # the forward, dq, and dk/dv

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 from attn_backend_tokamax import TOKAMAX_CERTIFIED, _environment, interpret_mode
 
-NAMES = ("tokamax_xla", "tokamax_xla_chunked", "tokamax_mosaic_tpu")
+NAMES = ("tokamax_xla", "tokamax_xla_chunked", "tokamax_mosaic_tpu", "tokamax_triton",
+         "tokamax_mosaic_gpu")
 S = jax.ShapeDtypeStruct
 Q, KV = S((2, 64, 4, 32), jnp.float32), S((2, 64, 2, 32), jnp.float32)
 
@@ -41,8 +42,12 @@ def test_import_and_list_do_not_import_tokamax():
         "import sys, attn_backends\n"
         "from attn_backends.cli.main import main\n"
         "assert main(['list']) == 0\n"
-        "ab = attn_backends.Registry(only=['tokamax_xla', 'tokamax_mosaic_tpu'], probe=None)\n"
+        "ab = attn_backends.Registry(only=['tokamax_xla', 'tokamax_mosaic_tpu', 'tokamax_triton',"
+        " 'tokamax_mosaic_gpu'], probe=None)\n"
         "print(sorted(ab.backends))\n"
+        "import jax\n"
+        "x = jax.ShapeDtypeStruct((1, 64, 2, 32), 'bfloat16')\n"
+        "print(ab.get(device='gpu').explain(x, x, x, causal=True))\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'tokamax')\n"
         "assert not loaded, loaded\n"
     )
@@ -50,6 +55,8 @@ def test_import_and_list_do_not_import_tokamax():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "tokamax_xla_chunked" in proc.stdout and "tokamax_mosaic_tpu" in proc.stdout
+    # The GPU backends' reasons (jax line, default device) are read without tokamax.
+    assert "tokamax_mosaic_gpu" in proc.stdout and "certify on a Hopper" in proc.stdout
 
 
 @pytest.mark.parametrize("installed, says", [

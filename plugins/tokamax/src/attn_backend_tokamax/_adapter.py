@@ -19,6 +19,20 @@ from ._environment import import_tokamax
 from ._masks import padded, visibility
 
 
+class RegistryDecidesPlatform:
+    """Mixin for a tokamax implementation class (first in the bases): its
+    ``supported_on`` is the registry's decision.
+
+    tokamax's own asks the *default device* (or the inputs' devices) whether it
+    has the hardware: from a cpu host that refuses every TPU or cuda export and
+    every interpreted run. The backend's manifest and ``check`` have already
+    decided, from the platform being lowered for, before tokamax runs.
+    """
+
+    def supported_on(self, device: Any) -> bool:
+        return True
+
+
 def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
         implementation: Any, *, native: bool = True, multiple: int = 1) -> Any:
     """q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` -> out

@@ -3,10 +3,11 @@
 Two changes to how tokamax itself would run it, both by subclassing, neither by
 editing tokamax:
 
-- ``supported_on`` is the registry's decision: tokamax's own (``device.platform
-  == "tpu"`` and a v5+ TPU, asked of the *default device*) refuses a TPU export
-  from a cpu host and every cpu run, even in interpret mode. The backend's
-  manifest already restricts it to tpu (and cpu while interpret mode is on).
+- ``supported_on`` is the registry's decision (:class:`RegistryDecidesPlatform`):
+  tokamax's own (``device.platform == "tpu"`` and a v5+ TPU, asked of the
+  *default device*) refuses a TPU export from a cpu host and every cpu run, even
+  in interpret mode. The backend's manifest already restricts it to tpu (and
+  cpu while interpret mode is on).
 - interpret mode: tokamax's configs carry no ``interpret`` field, but splash's
   ``SplashConfig`` has one and tokamax copies every config field into it, so
   the configs here add that field (forward and backward kernels alike).
@@ -24,6 +25,8 @@ import pydantic
 from tokamax._src.ops.attention import pallas_mosaic_tpu as fwd
 from tokamax._src.ops.attention import pallas_mosaic_tpu_vjp as bwd
 
+from ._adapter import RegistryDecidesPlatform
+
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True)
 class _InterpretedConfig(fwd.Config):
@@ -40,11 +43,8 @@ def _interpreted(config: Any, kind: type) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _Vjp(bwd.PallasMosaicTpuFlashAttentionVjp):
+class _Vjp(RegistryDecidesPlatform, bwd.PallasMosaicTpuFlashAttentionVjp):
     interpret: bool = False
-
-    def supported_on(self, device: Any) -> bool:
-        return True
 
     def _get_heuristics_config(self, ba: Any) -> Any:
         config = super()._get_heuristics_config(ba)
@@ -52,11 +52,8 @@ class _Vjp(bwd.PallasMosaicTpuFlashAttentionVjp):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Forward(fwd.PallasMosaicTpuFlashAttention):
+class _Forward(RegistryDecidesPlatform, fwd.PallasMosaicTpuFlashAttention):
     interpret: bool = False
-
-    def supported_on(self, device: Any) -> bool:
-        return True
 
     def _get_heuristics_config(self, ba: Any) -> Any:
         config = super()._get_heuristics_config(ba)

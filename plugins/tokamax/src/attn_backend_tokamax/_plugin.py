@@ -14,6 +14,7 @@ import attn_backends
 from attn_backends import AttentionCall, Backend, HeadDims, Operands
 from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
 
+from . import _jax_lines as jax_lines
 from ._environment import tokamax_reasons, tokamax_version
 from ._interpret import SWITCH
 
@@ -55,8 +56,13 @@ class TokamaxBackend(Backend):
     #: The implementation tokamax runs (``implementation=`` of its API).
     implementation: ClassVar[str]
 
+    #: The jax releases this implementation is served on (None: the manifest's range).
+    jax_line: ClassVar[jax_lines.JaxLine | None] = None
+
     def check(self, call: AttentionCall) -> list[str]:
         reasons = list(tokamax_reasons())
+        if self.jax_line is not None:
+            reasons += self.jax_line.reasons()
         if call.softcap is not None and call.bias_shape is not None:
             reasons.append(SOFTCAP_WITH_BIAS)
         return reasons
@@ -166,27 +172,6 @@ MOSAIC_TPU_MANIFEST = manifest(
 )
 
 
-#: The first jax line tokamax_mosaic_tpu is served on: on jax 0.10.2 the suite
-#: (interpret mode) found its backward wrong: dk and dv of every GQA/MQA case
-#: (up to 9e4x the tolerance) and dq of the one-head, unmasked Tq = Tk = 1031
-#: case; its forward passed. The full table passes on jax 0.12.
-MOSAIC_TPU_MIN_JAX = (0, 12)
-
-
-def mosaic_tpu_jax_reasons() -> list[str]:
-    """Why tokamax_mosaic_tpu is not served under the installed jax (empty: it is)."""
-    import jax
-
-    release = tuple(int(part) for part in jax.__version__.split(".")[:2])
-    if release >= MOSAIC_TPU_MIN_JAX:
-        return []
-    return [
-        f"jax {jax.__version__}: tokamax's Mosaic TPU backward failed the conformance suite "
-        "on jax 0.10.2 (wrong dk/dv with GQA, wrong dq at T=1031); it is served on jax >= "
-        f"{'.'.join(map(str, MOSAIC_TPU_MIN_JAX))} only"
-    ]
-
-
 class TokamaxMosaicTpuBackend(TokamaxBackend):
     """tokamax's ``mosaic_tpu`` implementation (its splash kernels); on cpu in
     Pallas TPU interpret mode while the switch is on."""
@@ -204,9 +189,7 @@ class TokamaxMosaicTpuBackend(TokamaxBackend):
     # tokamax's heuristic blocks (128 queries and keys, the TPU lane width) must
     # divide the sequences: the adapter pads Tq and Tk to them.
     adapter_args: ClassVar[dict[str, Any]] = {"native": False, "multiple": 128}
-
-    def check(self, call: AttentionCall) -> list[str]:
-        return super().check(call) + mosaic_tpu_jax_reasons()
+    jax_line = jax_lines.MOSAIC_TPU
 
     def implementation_for(self, call: AttentionCall, options: Any) -> Any:
         """The splash kernels: compiled when lowering for tpu, interpreted when
@@ -215,6 +198,103 @@ class TokamaxMosaicTpuBackend(TokamaxBackend):
         from . import _mosaic_tpu
 
         return _mosaic_tpu.implementation(interpret=call.platform == "cpu")
+
+
+#: tokamax's Pallas Triton flash attention, read from its code
+#: (``pallas_triton.py``, ``pallas_triton_vjp.py``): the forward takes a boolean
+#: mask, bias, softcap, q/k start and end (which lengths and window become) and
+#: GQA (``i // group`` in its kv index map); any head dim (blocks padded to the
+#: next power of two) and any Tq, Tk (the last block masked); the backward
+#: (dq, dk, dv and dbias) takes all of them but softcap, which gets tokamax's XLA
+#: backward (``_gpu_kernels.py``): what the XLA implementations serve, on gpu.
+#: Lowered, not run, here: nothing here has a GPU, and tokamax's kernel cannot
+#: run in Pallas' interpreter (README).
+TRITON_MANIFEST = dataclasses.replace(XLA_MANIFEST, platforms=frozenset({"gpu"}))
+
+
+class TokamaxTritonBackend(TokamaxBackend):
+    """tokamax's ``triton`` implementation (Pallas Triton flash attention), on gpu,
+    jax < 0.12 (:data:`_jax_lines.TRITON`)."""
+
+    name = "tokamax_triton"
+    implementation = "triton"
+    capabilities = TRITON_MANIFEST
+    # Below xla_native (50) until a GPU run certifies it (`make test-gpu`):
+    # lowered here, never run. `attn-backends tune` measures it on a GPU.
+    priority = {"gpu": 45}
+    hlo_marker = "__gpu$xla.gpu.triton"
+    jax_line = jax_lines.TRITON
+
+    def implementation_for(self, call: AttentionCall, options: Any) -> Any:
+        """The Triton forward and backward (XLA backward with softcap; no ``options``)."""
+        super().implementation_for(call, options)
+        from . import _gpu_kernels
+
+        return _gpu_kernels.triton(softcap=call.softcap is not None)
+
+
+#: tokamax's Mosaic GPU flash attention (sm90 and sm100 kernels), read from its
+#: code (``pallas_mosaic_gpu*.py``): mask, bias (and dbias), softcap, k start and
+#: end, causal, GQA, forward and backward; bfloat16 and float16 only (at the
+#: default precision tokamax maps float32 to TF32 on a GPU, and its kernels
+#: raise NotImplementedError for that preset); any head dim (padded to 64).
+#: Not deterministic: tokamax's own tests expect the sm100 backward to differ
+#: between runs. Not lse, dropout.
+MOSAIC_GPU_MANIFEST = dataclasses.replace(
+    TRITON_MANIFEST, dtypes=frozenset({"bfloat16", "float16"}), deterministic=False)
+
+#: The command that certifies the GPU backends on a GPU machine.
+CERTIFY_ON_GPU = "make test-gpu"
+
+
+def hopper_reasons() -> list[str]:
+    """Why tokamax's Mosaic GPU kernels cannot lower here (empty: they can).
+
+    tokamax picks its sm90 or sm100 kernel, and refuses any other device, by the
+    compute capability of JAX's default device (``gpu_utils.is_sm90()``), not by
+    the platform lowered for: this asks the same device.
+    """
+    from jax.extend import backend
+
+    device = backend.get_default_device()
+    capability = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+    if capability is not None and 9.0 <= float(capability) < 11.0:
+        return []
+    here = (f"{device.device_kind} (compute capability {capability})"
+            if device.platform == "gpu" else f"a {device.platform} device")
+    return [
+        "tokamax's Mosaic GPU kernels need a Hopper (sm90) or Blackwell (sm100) GPU as JAX's "
+        f"default device (tokamax asks that device, not the platform lowered for); here it is "
+        f"{here}: certify on a Hopper (sm90) or Blackwell GPU: {CERTIFY_ON_GPU}"
+    ]
+
+
+class TokamaxMosaicGpuBackend(TokamaxBackend):
+    """tokamax's ``mosaic_gpu`` implementation, on a Hopper or Blackwell GPU, jax
+    < 0.12 (:data:`_jax_lines.MOSAIC_GPU`)."""
+
+    name = "tokamax_mosaic_gpu"
+    implementation = "mosaic_gpu"
+    capabilities = MOSAIC_GPU_MANIFEST
+    # As tokamax_triton: below xla_native until a GPU run certifies it.
+    priority = {"gpu": 45}
+    hlo_marker = "mosaic_gpu"
+    jax_line = jax_lines.MOSAIC_GPU
+    # tokamax pads the keys to its block (64 or 128) without hiding the padded
+    # ones unless a mask does (its own test of that case is skipped: "TODO:
+    # Support k-sequence non-multiple of block_kv"): the adapter pads Tq and Tk
+    # to 128 and hides the padded keys itself.
+    adapter_args: ClassVar[dict[str, Any]] = {"multiple": 128}
+
+    def check(self, call: AttentionCall) -> list[str]:
+        return super().check(call) + hopper_reasons()
+
+    def implementation_for(self, call: AttentionCall, options: Any) -> Any:
+        """The sm90/sm100 kernels, forward and backward (takes no ``options``)."""
+        super().implementation_for(call, options)
+        from . import _gpu_kernels
+
+        return _gpu_kernels.mosaic_gpu()
 
 
 class _Plugin:
@@ -232,8 +312,10 @@ class _Plugin:
 XLA = _Plugin(TokamaxXlaBackend)
 XLA_CHUNKED = _Plugin(TokamaxXlaChunkedBackend)
 MOSAIC_TPU = _Plugin(TokamaxMosaicTpuBackend)
+TRITON = _Plugin(TokamaxTritonBackend)
+MOSAIC_GPU = _Plugin(TokamaxMosaicGpuBackend)
 
 
 def attn_backends_register() -> list[Backend]:
     """Every tokamax backend (for code that wants them all, e.g. a test registry)."""
-    return [plugin.backend() for plugin in (XLA, XLA_CHUNKED, MOSAIC_TPU)]
+    return [plugin.backend() for plugin in (XLA, XLA_CHUNKED, MOSAIC_TPU, TRITON, MOSAIC_GPU)]

@@ -188,3 +188,20 @@ def every_warning_an_error() -> Any:
         warnings.filterwarnings("ignore", message="backend 'ejkernel_xla' supports jax",
                                 category=ab.PluginWarning)
         yield
+
+
+#: The repository's examples/ folder.
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def load_example(path: str, name: str) -> Any:
+    """The example script at ``examples/PATH`` imported as module ``name`` (the
+    examples are scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

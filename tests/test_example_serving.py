@@ -12,21 +12,14 @@ ends with counts what the engine served.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import pytest
 from _paged_support import INTERPRET, paged_servers
+from _support import load_example
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "serving", "serve.py")
-_spec = importlib.util.spec_from_file_location("serving_example", _PATH)
-serve = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = serve  # its dataclasses look their module up
-_spec.loader.exec_module(serve)
+serve = load_example("serving/serve.py", "serving_example")
 
 CFG = serve.CONFIG
 REGISTRY = ab.Registry(probe=None)
@@ -62,11 +55,12 @@ def alone(model, requests):
     return {r.id: serve.decode_alone(params, vocab, r.prompt, r.max_new) for r in requests}
 
 
-def _load_the_interpreter(backend: str) -> None:
-    """Run one call of an emulated Pallas kernel: its first run loads JAX's
-    interpreter, whose config option grows JAX's tracing context, so the next call
-    of any jitted function retraces once. After this the engine's compile count
-    is its own."""
+def _load_first(backend: str) -> None:
+    """Run one call of an emulated Pallas kernel or of a tokamax backend: the
+    kernel's first run loads JAX's interpreter, tokamax's first call imports
+    tokamax (and Pallas), and either defines config options that grow JAX's
+    tracing context, so the next call of any jitted function retraces once. After
+    this the engine's compile count is its own."""
     paged = REGISTRY.get_paged(device="cpu", backend=backend, **PAGED_CALL)
     q = jnp.zeros((1, PAGED_CALL["num_q_heads"], PAGED_CALL["head_dim"]), jnp.float32)
     batch = ab.PagedBatch(jnp.array([0, 1]), jnp.array([1]), jnp.zeros((1, 1), jnp.int32),
@@ -79,8 +73,8 @@ def test_engine_decodes_what_each_request_decodes_alone(backend, model, requests
                                                        monkeypatch) -> None:
     for name in INTERPRET:
         monkeypatch.setenv(name, "1")
-    if backend in ("flash_pallas", "flash_triton"):
-        _load_the_interpreter(backend)
+    if backend in ("flash_pallas", "flash_triton") or backend.startswith("tokamax_"):
+        _load_first(backend)
     params, vocab = model
     engine = serve.Engine(params, vocab, page_size=PAGE_SIZE, num_pages=NUM_PAGES,
                           max_seqs=MAX_SEQS, chunk_budget=CHUNK, device="cpu",

@@ -10,21 +10,16 @@ stand-in for ``train`` hands back the baseline's weights).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import attn_backends as ab
 import jax
 import numpy as np
 import pytest
+from _support import load_example
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "transformer", "train.py")
-_spec = importlib.util.spec_from_file_location("transformer_example", _PATH)
-example = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = example  # its dataclasses look their module up
-_spec.loader.exec_module(example)
+example = load_example("transformer/train.py", "transformer_example")
 
 # Smaller than the example's defaults, same code: this runs in CI.
 CFG = example.Config(d_model=64, heads=4, kv_heads=2, layers=1, seq=32, batch=4)

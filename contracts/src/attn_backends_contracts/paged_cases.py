@@ -12,8 +12,9 @@ manifest claims, else :data:`DEFAULT_PAGE_SIZE`): a key length of 1,
 pure prefill, a chunked prefill and a decode step. Pages in random and reversed
 order and shared between sequences; all kinds of sequence in one batch in two
 orders, with uncounted table rows, sequences with no new tokens and padding
-rows; GQA groups 1, 2, 4 and 8 and MQA; softcap with a scale; windows; a pure
-decode step under ``max_q_len=1``; the same sequence at two batch positions.
+rows; GQA groups 1, 2, 4 and 8 and MQA; softcap with a scale; windows; pure
+decode steps under ``max_q_len=1``, with an uncounted table row and with every
+row counted; the same sequence at two batch positions.
 Everything the contract says never matters holds NaN, Inf and -Inf. Other
 claimed dtypes, page sizes and head dims each run a few of these.
 
@@ -98,6 +99,11 @@ def _table(p: int) -> list[PagedSuiteCase]:
                      window_left=left, quick=label == "p"))
     out.append(c("decode-max-q-len-1", seqs=((1, 1), (1, p), (1, 3 * p + 1), (1, p + 1)),
                  num_seqs=3, pad_rows=2, max_q_len=1))
+    # Every table row counted, padding rows after them: a backend that places
+    # each sequence's rows in slots of its own must not give a padding row the
+    # last sequence's (the case above leaves its last table row uncounted).
+    out.append(c("decode-every-seq-counted", seqs=((1, p), (1, 2 * p + 1)), pad_rows=3,
+                 max_q_len=1))
     out.append(c("same-seq-twice", kind="same_seq", seqs=((2, 2 * p + 1), (1, 3), (2, 2 * p + 1)),
                  order="shared", pad_rows=0, quick=True))
     return out

@@ -18,6 +18,10 @@ subclass with a :class:`attn_backends.Capabilities` manifest either way.
   paged cache layout (K and V each ``[Hkv, num_pages, page_size, D]``): its
   exact conversions to and from the canonical view, ``init_cache`` and
   ``write``, and the ``PagedBackend`` whose every cache is in it.
+- :func:`paged_rows` and :func:`paged_dense`: each query row's sequence and
+  position in a paged batch, and the batch gathered into dense per-sequence
+  keys and values with each row's visible positions, for a paged backend over
+  a dense kernel.
 - :func:`dropout_seed`, :func:`dropout_keep_at` and :func:`dropout_keep`: one
   counter-based rule for attention dropout's keep-mask, so a tiled kernel
   draws each tile's bits from the key and the tile's positions (forward and
@@ -33,7 +37,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from .contract import heads_first
 from .contract.call import FEATURES, AttentionCall
@@ -41,12 +45,13 @@ from .contract.capabilities import Capabilities
 from .contract.environment import env_flag
 from .contract.errors import UnsupportedError
 from .contract.heads_first import HeadsFirstPagedBackend
-from .contract.paged import PagedCapabilities, canonical_write
+from .contract.paged import PagedCall, PagedCapabilities, canonical_write
 
 __all__ = [
     "UNKNOWN_VERSION",
     "HeadsFirstPagedBackend",
     "InterpretSwitch",
+    "PagedDense",
     "SwitchedManifest",
     "canonical_write",
     "distribution_version",
@@ -55,6 +60,7 @@ __all__ = [
     "dropout_seed",
     "heads_first",
     "manifest",
+    "paged_dense",
     "paged_rows",
     "refuse",
     "resolve_options",
@@ -140,6 +146,58 @@ def paged_rows(batch: Any, rows: int) -> tuple[Any, Any, Any]:
     seq = jnp.clip(jnp.searchsorted(ends, t, side="right") - 1, 0, batch.kv_lens.shape[0] - 1)
     q_len = cu[seq + 1] - cu[seq]
     return seq, t < cu[num], batch.kv_lens[seq] - q_len + (t - cu[seq])
+
+
+class PagedDense(NamedTuple):
+    """A paged call's batch as dense per-sequence keys and values and per-row
+    visibility (:func:`paged_dense`); ``L = P * page_size``.
+
+    ``keys``, ``values`` ``[S, L, Hkv, D]`` (the cache's dtype): sequence s's
+    position p, zero past ``kv_lens[s]`` and for uncounted sequences; ``seq``
+    int32 ``[rows]``: the sequence owning each query row (some in-range sequence
+    for an unowned row); ``owned`` bool ``[rows]``; ``visible`` bool ``[rows,
+    L]``: the positions each row sees (causal, the call's window; none for an
+    unowned row).
+    """
+
+    keys: Any
+    values: Any
+    seq: Any
+    owned: Any
+    visible: Any
+
+
+def paged_dense(call: PagedCall, k_pages: Any, v_pages: Any, batch: Any,
+                rows: int) -> PagedDense:
+    """Gather each sequence's pages of the canonical K and V ``[num_pages,
+    page_size, Hkv, D]`` into contiguous keys and values, and each of the
+    ``rows`` query rows' visible positions, for a backend that serves paged
+    calls over a dense kernel. It copies every sequence's whole table width of
+    pages (``S * P * page_size`` positions of K and V) on each call.
+
+    Garbage the contract says never matters cannot reach a result through it:
+    table entries are clipped into the pool, and positions past a sequence's
+    length or of an uncounted sequence are zeros (a masked NaN would still meet
+    its zero weight: 0 * NaN is NaN).
+    """
+    import jax.numpy as jnp
+
+    seqs, pages = batch.page_table.shape
+    length = pages * call.page_size
+    # Table entries past a sequence's last page may be garbage: clip them to a
+    # real page, whose positions are zeroed and masked below anyway.
+    table = jnp.clip(batch.page_table, 0, k_pages.shape[0] - 1)
+    pos = jnp.arange(length)
+    counted = jnp.arange(seqs) < batch.num_seqs
+    filled = ((pos[None, :] < batch.kv_lens[:, None]) & counted[:, None])[:, :, None, None]
+    keys, values = (
+        jnp.where(filled, x[table].reshape(seqs, length, call.kv_heads, call.head_dim), 0)
+        for x in (k_pages, v_pages))
+    seq, owned, row_pos = paged_rows(batch, rows)
+    visible = (pos[None, :] <= row_pos[:, None]) & owned[:, None]
+    if call.window is not None:
+        visible &= pos[None, :] >= row_pos[:, None] - call.window[0]
+    return PagedDense(keys, values, seq, owned, visible)
 
 
 def refuse(backend: str, call: AttentionCall, reasons: Sequence[str]) -> None:

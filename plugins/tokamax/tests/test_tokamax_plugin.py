@@ -102,3 +102,27 @@ def test_mosaic_tpu_declines_what_tokamax_refuses_there():
                             ({"mask": S((2, 1, 64, 64), jnp.bool_)}, "mask")):
             reasons = _verdict(_explain(["tokamax_mosaic_tpu"], **kw), "tokamax_mosaic_tpu").reasons
             assert f"feature {feature!r} not supported" in reasons
+
+
+PAGED = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16, dtype="float32")
+
+
+def _explain_paged(only, **kw):
+    return ab.Registry(only=list(only), probe=None).explain_paged(device="cpu", **{**PAGED, **kw})
+
+
+def test_paged_calls_rank_the_xla_ones_below_ours_and_refuse_what_they_lack(monkeypatch):
+    explanation = _explain_paged(["xla_native", "reference", *NAMES], softcap=5.0,
+                                 window=(7, None))
+    order = [v.backend for v in explanation.verdicts]
+    assert explanation.chosen == "xla_native"
+    assert order.index("tokamax_xla") < order.index("tokamax_xla_chunked") < order.index(
+        "reference")
+    assert _verdict(explanation, "tokamax_xla_chunked").accepted
+    assert "no paged support" in " ".join(_verdict(explanation, "tokamax_mosaic_tpu").reasons)
+    with jax.enable_x64(True):
+        wide = _verdict(_explain_paged(["tokamax_xla"], dtype="float64"), "tokamax_xla")
+    assert not wide.accepted and "dtype float64 not in" in " ".join(wide.reasons)
+    monkeypatch.setattr(_environment, "tokamax_version", lambda: None)
+    missing = _verdict(_explain_paged(["tokamax_xla"]), "tokamax_xla")
+    assert not missing.accepted and "tokamax is not installed" in " ".join(missing.reasons)

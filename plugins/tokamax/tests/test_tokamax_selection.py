@@ -1,7 +1,8 @@
 """Selection across libraries: `attn-backends tune` measures ours against tokamax's on
-the same calls and selection replays the winner; the serving example says why a
-tokamax backend cannot serve it. Which backend wins is the machine's business:
-only that the table holds both libraries and that selection follows it."""
+the same calls and selection replays the winner; the serving example runs on a
+tokamax backend by name, decoding what the default backend decodes. Which backend
+wins is the machine's business: only that the table holds both libraries and that
+selection follows it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import json
 import re
 
 import attn_backends as ab
-import jax.numpy as jnp
 import pytest
+from _support import load_example
 from attn_backends.cli.main import main
 
 QUICK = ["--rounds", "1", "--runs", "1", "--warmup", "1"]
@@ -45,11 +46,23 @@ def test_tune_measures_ours_and_tokamax_and_selection_replays_the_winner(tmp_pat
     assert re.search(rf"^\s+{entry['winner']}\s+prio\s+\d+\s+CHOSEN$", text, re.M), text
 
 
-def test_the_serving_example_refuses_a_tokamax_backend_with_the_reason():
-    from attn_backends import UnsupportedError
-
+def test_the_serving_example_on_tokamax_xla_decodes_what_the_default_backend_does():
+    # `serve.py --backend tokamax_xla` is this Engine, on a smaller model of the
+    # same code (untrained: the tokens only have to agree); the default under
+    # ATTN_BACKENDS_ONLY is xla_native. A chunk budget of 4 keeps every step in
+    # one row bucket (8 rows): one compiled step per engine.
+    serve = load_example("serving/serve.py", "serving_example")
+    _, vocab = serve.transformer.load_corpus()
+    cfg = serve.transformer.Config(d_model=32, heads=4, kv_heads=2, layers=1, seq=32)
+    params = serve.transformer.init_state(cfg, vocab)
+    requests = serve.demo_requests(lengths=(3, 9, 5), max_new=3)
     registry = ab.Registry(probe=None)
-    with pytest.raises((UnsupportedError, ab.NoBackendError)) as raised:
-        registry.get_paged(device="cpu", backend="tokamax_xla", num_q_heads=4, num_kv_heads=2,
-                           head_dim=16, page_size=16, dtype=jnp.float32)
-    assert "tokamax_xla" in str(raised.value)
+    engines = {name: serve.Engine(params, vocab, cfg=cfg, num_pages=12, chunk_budget=4,
+                                  device="cpu", backend=name, registry=registry)
+               for name in (None, "tokamax_xla")}
+    assert [e.backend for e in engines.values()] == ["xla_native", "tokamax_xla"]
+    default, tokamax = (engine.run(requests) for engine in engines.values())
+    assert tokamax == default
+    # Prefill chunks and decode rows both ran through tokamax's paged path.
+    assert {n > 1 for rec in engines["tokamax_xla"].records for _, _, n in rec.work} == {
+        True, False}

@@ -17,6 +17,7 @@ from attn_backends.authoring import distribution_version, manifest, refuse, reso
 from . import _jax_lines as jax_lines
 from ._environment import tokamax_reasons, tokamax_version
 from ._interpret import SWITCH
+from ._paged import TokamaxPaged
 
 #: What tokamax's plain-XLA implementations serve through its public API, as the
 #: suite certified it: no lse (the public API returns none), no dropout (it
@@ -93,8 +94,9 @@ class TokamaxBackend(Backend):
         return self.implementation
 
 
-class TokamaxXlaBackend(TokamaxBackend):
-    """tokamax's ``xla`` implementation: dense logits in XLA, on any platform."""
+class TokamaxXlaBackend(TokamaxPaged, TokamaxBackend):
+    """tokamax's ``xla`` implementation: dense logits in XLA, on any platform;
+    paged calls over its pages gathered dense (``_paged``)."""
 
     name = "tokamax_xla"
     implementation = "xla"
@@ -120,9 +122,9 @@ class ChunkSizes:
                 raise ValueError(f"ChunkSizes: {name}={value!r} must be an int >= 1")
 
 
-class TokamaxXlaChunkedBackend(TokamaxBackend):
+class TokamaxXlaChunkedBackend(TokamaxPaged, TokamaxBackend):
     """tokamax's ``xla_chunked`` implementation: query/key chunks in XLA loops
-    (online softmax), 512x1024 by default.
+    (online softmax), 512x1024 by default; paged calls as ``tokamax_xla``'s.
 
     ``options``: a :class:`ChunkSizes`, or None for tokamax's own.
     """

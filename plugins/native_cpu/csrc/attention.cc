@@ -121,29 +121,31 @@ inline int64_t PositionsPerItem(const Shape& s) {
 }
 
 // Where key j of kv head g of batch row b starts in K (or V), width values a row.
+// Keys types: f(jj, offset) for keys j0 + jj, jj < nk, in order.
 struct DenseKeys {
   const Shape& s;
   int64_t b, g;
-  int64_t operator()(int64_t j, int64_t width) const {
-    return ((b * s.kv_len + j) * s.kv_heads + g) * width;
+  template <class F>
+  void Each(int64_t j0, int64_t nk, int64_t width, const F& f) const {
+    const int64_t start = ((b * s.kv_len + j0) * s.kv_heads + g) * width;
+    for (int64_t jj = 0; jj < nk; ++jj) f(jj, start + jj * s.kv_heads * width);
   }
 };
 
 // K (or V) block [j0, j0 + nk) as float32 row pointers `rows[jj]`, the rows
-// found by `offset(j, width)`: float32 rows are read where they are (no copy),
-// bfloat16 ones widened into `scratch` [nk][width].
-template <class Offset>
-void KeyRows(DType dtype, const void* src, int64_t width, const Offset& offset, int64_t j0,
+// found by `keys` (DenseKeys, PagedKeys): float32 rows are read where they are
+// (no copy), bfloat16 ones widened into `scratch` [nk][width].
+template <class Keys>
+void KeyRows(DType dtype, const void* src, int64_t width, const Keys& keys, int64_t j0,
              int64_t nk, float* scratch, const float** rows) {
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    const int64_t at = offset(j0 + jj, width);
+  keys.Each(j0, nk, width, [&](int64_t jj, int64_t at) {
     if (dtype == DType::kF32) {
       rows[jj] = static_cast<const float*>(src) + at;
     } else {
       LoadRow(dtype, src, at, width, scratch + jj * width);
       rows[jj] = scratch + jj * width;
     }
-  }
+  });
 }
 
 // KeyRows' scratch: none for float32, read in place.
@@ -677,10 +679,22 @@ void ForwardItem(const Params& p, DType dtype, const void* q, const void* k, con
 struct PagedKeys {
   const PagedArgs& a;
   int64_t seq, g, kv_heads;
-  int64_t operator()(int64_t j, int64_t width) const {
-    int64_t page = a.page_table[seq * a.table_width + j / a.page_size];
-    page = std::min<int64_t>(std::max<int64_t>(page, 0), a.num_pages - 1);
-    return ((page * a.page_size + j % a.page_size) * kv_heads + g) * width;
+  // One division per block, not per key: a block walks its pages in order.
+  template <class F>
+  void Each(int64_t j0, int64_t nk, int64_t width, const F& f) const {
+    int64_t slot = j0 / a.page_size, in_page = j0 % a.page_size, start = 0;
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      if (jj == 0 || in_page == 0) {
+        int64_t page = a.page_table[seq * a.table_width + slot];
+        page = std::min<int64_t>(std::max<int64_t>(page, 0), a.num_pages - 1);
+        start = page * a.page_size;
+      }
+      f(jj, ((start + in_page) * kv_heads + g) * width);
+      if (++in_page == a.page_size) {
+        in_page = 0;
+        ++slot;
+      }
+    }
   }
 };
 
@@ -766,13 +780,13 @@ void DecodeSplit(const Params& p, DType dtype, const ViewOf& view_of, int64_t lo
     ahead.Clear();
     // The next block's K rows, then its V rows: two runs in address order
     // (measured faster than K and V alternating, and than blocks of 16 or 128).
-    const int64_t next_end = std::min(hi, j0 + nk + kDecodeBlock);
-    for (int64_t j = j0 + nk; j < next_end; ++j) {
-      ahead.Add(static_cast<const char*>(k) + row_start(j, s.head_dim) * elem, k_bytes);
-    }
-    for (int64_t j = j0 + nk; j < next_end; ++j) {
-      ahead.Add(static_cast<const char*>(v) + row_start(j, s.v_head_dim) * elem, v_bytes);
-    }
+    const int64_t next = std::max<int64_t>(0, std::min(hi, j0 + nk + kDecodeBlock) - j0 - nk);
+    row_start.Each(j0 + nk, next, s.head_dim, [&](int64_t, int64_t at) {
+      ahead.Add(static_cast<const char*>(k) + at * elem, k_bytes);
+    });
+    row_start.Each(j0 + nk, next, s.v_head_dim, [&](int64_t, int64_t at) {
+      ahead.Add(static_cast<const char*>(v) + at * elem, v_bytes);
+    });
     const int64_t per_head = (ahead.Lines() + s.kv_heads - 1) / s.kv_heads;
     for (auto& head : heads) head.AddBlock(k, v, j0, nk, &ahead, per_head);
   }

@@ -12,10 +12,10 @@
 // arithmetic never depends on the thread it runs on, so the answer is the
 // same bit for bit at any thread count.
 //
-// Vectorisation: the products are one GEMM shape on vectors (GCC/Clang
-// vector extensions), or for a few rows dot products over the keys in place;
-// the exponentials a branch-free vector polynomial; the
-// rest are plain loops over contiguous float32 the compiler vectorises. No
+// Vectorisation: the dense blocks' products are OpenBLAS sgemm calls on the
+// calling thread, a few rows' scores dot products over the keys in place, the
+// exponentials a branch-free vector polynomial (GCC/Clang vector extensions);
+// the rest are plain loops over contiguous float32 the compiler vectorises. No
 // -ffast-math: every sum runs in an order fixed by the shapes alone
 // (kernel_math.h). This file and decode.cc are compiled once per instruction
 // set (CMakeLists.txt): for x86-64-v3
@@ -77,15 +77,27 @@ void LoadRowTile(const Params& p, DType dtype, const BackwardArgs& x, const Rows
   }
 }
 
-// Probabilities P and dS of a tile's rows against one key block (kt: K
-// transposed [D][kBlockKeys], vt: V transposed [Dv][kBlockKeys]), each
+// A dense K (or V) block as one matrix [nk][width] at `rows`, row stride ld:
+// in place for float32, widened into scratch for bfloat16.
+struct Block {
+  const float* rows;
+  int64_t ld;
+};
+
+Block LoadBlock(DType dtype, const void* src, int64_t width, const DenseKeys& keys, int64_t j0,
+                int64_t nk, float* scratch, std::vector<const float*>* rows) {
+  KeyRows(dtype, src, width, keys, j0, nk, scratch, rows->data());
+  return {(*rows)[0], UniformStride(rows->data(), nk, width)};
+}
+
+// Probabilities P and dS of a tile's rows against one key block (K and V), each
 // [m][kBlockKeys], zero outside every row's visible keys:
 // p = exp(s - lse), ds = p * (dp - delta), times 1 - tanh^2 under softcap.
 void TileGradients(const Params& p, const RowTile& t, int64_t m, int64_t j0, int64_t nk,
-                   const float* kt, const float* vt, float* prob, float* ds, float* tanh_buf) {
+                   const Block& k, const Block& v, float* prob, float* ds, float* tanh_buf) {
   const int64_t dims = p.shape.head_dim, vdims = p.shape.v_head_dim;
-  Gemm(m, nk, dims, t.qs.data(), dims, kt, kBlockKeys, prob, kBlockKeys, false);
-  Gemm(m, nk, vdims, t.dov.data(), vdims, vt, kBlockKeys, ds, kBlockKeys, false);
+  Sgemm(false, true, m, nk, dims, t.qs.data(), dims, k.rows, k.ld, 0.0f, prob, kBlockKeys);
+  Sgemm(false, true, m, nk, vdims, t.dov.data(), vdims, v.rows, v.ld, 0.0f, ds, kBlockKeys);
   for (int64_t r = 0; r < m; ++r) {
     int64_t a, e;
     BlockSpan(t.range[r], j0, nk, &a, &e);
@@ -119,32 +131,21 @@ void DqItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
   RowTile t;
   LoadRowTile(p, dtype, x, rows, &t);
   std::vector<float> dq(m * dims, 0.0f);
-  std::vector<float> kt(dims * kBlockKeys), vt(vdims * kBlockKeys);
   std::vector<float> k_scratch = Scratch(dtype, kBlockKeys * dims);
   std::vector<float> v_scratch = Scratch(dtype, kBlockKeys * vdims);
-  std::vector<const float*> krows(kBlockKeys), vrows(kBlockKeys);
+  std::vector<const float*> rows_buf(kBlockKeys);
   std::vector<float> prob(m * kBlockKeys), ds(m * kBlockKeys), tanh_buf(kBlockKeys);
   const DenseKeys keys{s, rows.b, rows.g};
   for (int64_t j0 = t.first; j0 < t.last; j0 += kBlockKeys) {
     const int64_t nk = std::min(kBlockKeys, t.last - j0);
-    KeyRows(dtype, x.k, dims, keys, j0, nk, k_scratch.data(), krows.data());
-    TransposeRows(krows.data(), nk, dims, kt.data());
-    KeyRows(dtype, x.v, vdims, keys, j0, nk, v_scratch.data(), vrows.data());
-    TransposeRows(vrows.data(), nk, vdims, vt.data());
-    TileGradients(p, t, m, j0, nk, kt.data(), vt.data(), prob.data(), ds.data(),
-                  tanh_buf.data());
-    Gemm(m, dims, nk, ds.data(), kBlockKeys, RowList{krows.data()}, dq.data(), dims, true);
+    const Block kb = LoadBlock(dtype, x.k, dims, keys, j0, nk, k_scratch.data(), &rows_buf);
+    const Block vb = LoadBlock(dtype, x.v, vdims, keys, j0, nk, v_scratch.data(), &rows_buf);
+    TileGradients(p, t, m, j0, nk, kb, vb, prob.data(), ds.data(), tanh_buf.data());
+    Sgemm(false, false, m, dims, nk, ds.data(), kBlockKeys, kb.rows, kb.ld, 1.0f, dq.data(), dims);
   }
   for (int64_t r = 0; r < m; ++r) {
     StoreRow(dtype, x.dq, QOffset(s, rows.b, rows.position(r), rows.head(r), dims), dims,
              dq.data() + r * dims, p.scale);
-  }
-}
-
-// dst[c][r] = src[r][c] for r < rows, c < cols (src row stride kBlockKeys).
-inline void Transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * kBlockKeys + c];
   }
 }
 
@@ -156,16 +157,14 @@ void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) 
   const int64_t j0 = kb_index * kBlockKeys, nk = std::min(kBlockKeys, s.kv_len - j0);
   const int64_t dims = s.head_dim, vdims = s.v_head_dim, per = PositionsPerItem(s);
   const int64_t m_max = per * group;
-  std::vector<float> kt(dims * kBlockKeys), vt(vdims * kBlockKeys);
-  std::vector<float> scratch = Scratch(dtype, kBlockKeys * std::max(dims, vdims));
-  std::vector<const float*> key_rows(kBlockKeys);
+  std::vector<float> k_scratch = Scratch(dtype, kBlockKeys * dims);
+  std::vector<float> v_scratch = Scratch(dtype, kBlockKeys * vdims);
+  std::vector<const float*> rows_buf(kBlockKeys);
   std::vector<float> dk(kBlockKeys * dims, 0.0f), dv(kBlockKeys * vdims, 0.0f);
   std::vector<float> prob(m_max * kBlockKeys), ds(m_max * kBlockKeys), tanh_buf(kBlockKeys);
-  std::vector<float> pt(kBlockKeys * m_max), dst(kBlockKeys * m_max);
-  KeyRows(dtype, x.k, dims, DenseKeys{s, b, g}, j0, nk, scratch.data(), key_rows.data());
-  TransposeRows(key_rows.data(), nk, dims, kt.data());
-  KeyRows(dtype, x.v, vdims, DenseKeys{s, b, g}, j0, nk, scratch.data(), key_rows.data());
-  TransposeRows(key_rows.data(), nk, vdims, vt.data());
+  const DenseKeys keys{s, b, g};
+  const Block kb = LoadBlock(dtype, x.k, dims, keys, j0, nk, k_scratch.data(), &rows_buf);
+  const Block vb = LoadBlock(dtype, x.v, vdims, keys, j0, nk, v_scratch.data(), &rows_buf);
   RowTile t;
   for (int64_t i0 = 0; i0 < s.q_len; i0 += per) {
     const int64_t positions = std::min(per, s.q_len - i0);
@@ -178,12 +177,12 @@ void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) 
     const Rows rows{b, g, i0, positions, group};
     const int64_t m = rows.count();
     LoadRowTile(p, dtype, x, rows, &t);
-    TileGradients(p, t, m, j0, nk, kt.data(), vt.data(), prob.data(), ds.data(),
-                  tanh_buf.data());
-    Transpose(prob.data(), m, nk, pt.data());
-    Transpose(ds.data(), m, nk, dst.data());
-    Gemm(nk, vdims, m, pt.data(), m, t.dov.data(), vdims, dv.data(), vdims, true);
-    Gemm(nk, dims, m, dst.data(), m, t.qs.data(), dims, dk.data(), dims, true);
+    TileGradients(p, t, m, j0, nk, kb, vb, prob.data(), ds.data(), tanh_buf.data());
+    // dV += P^T dO, dK += dS^T (scaled Q): the tiles' P and dS read transposed.
+    Sgemm(true, false, nk, vdims, m, prob.data(), kBlockKeys, t.dov.data(), vdims, 1.0f,
+          dv.data(), vdims);
+    Sgemm(true, false, nk, dims, m, ds.data(), kBlockKeys, t.qs.data(), dims, 1.0f, dk.data(),
+          dims);
   }
   for (int64_t jj = 0; jj < nk; ++jj) {
     const int64_t row = (b * s.kv_len + j0 + jj) * s.kv_heads + g;

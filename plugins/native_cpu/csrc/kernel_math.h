@@ -1,5 +1,5 @@
 // The arithmetic of the kernels, free of attention: bfloat16 conversion,
-// the one GEMM shape on vectors (GCC/Clang vector extensions), dot products
+// OpenBLAS's sgemm, a GEMM on vectors (GCC/Clang vector extensions), dot products
 // over rows in place, a software prefetcher, the vector exp and the row
 // reductions, each summing in an order fixed by the shapes alone.
 //
@@ -13,6 +13,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include <cblas.h>
 
 #include "attention.h"
 
@@ -83,14 +85,41 @@ inline void StoreRow(DType dtype, void* dst, int64_t offset, int64_t n, const fl
   }
 }
 
+// The stride (in floats) of rows[0..n) if rows[jj] = rows[0] + jj * stride
+// for all of them (a block inside one batch row, or widened into scratch), else
+// 0 (a paged block across pages). n >= 2 for a stride; one row is its width.
+inline int64_t UniformStride(const float* const* rows, int64_t n, int64_t width) {
+  if (n < 2) return width;
+  const int64_t stride = rows[1] - rows[0];
+  if (stride < width) return 0;
+  for (int64_t jj = 2; jj < n; ++jj) {
+    if (rows[jj] - rows[0] != jj * stride) return 0;
+  }
+  return stride;
+}
+
+// C[m][n] = beta * C + op(A) . op(B), float32 row-major, op = transposed
+// where asked: OpenBLAS's sgemm on the calling thread (dispatch.cc sets its
+// threads to 1), for the blocks of the dense kernels; measured faster than
+// Gemm below on them (README).
+inline void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
+                  int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  scipy_cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                    trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+                    static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
+                    static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
+                    static_cast<blasint>(ldc));
+}
+
 // KeyRows' scratch: none for float32, read in place.
 inline std::vector<float> Scratch(DType dtype, int64_t size) {
   return std::vector<float>(dtype == DType::kF32 ? 0 : size);
 }
 
 // C[m][n] = (accumulate ? C : 0) + A[m][k] . B[k][n], float32, row strides lda
-// and ldc, B's row kk at b[kk] (Strided: a matrix; RowList: rows anywhere). Every product of the kernels is this one shape (K, V, P and dS are
-// laid out or transposed for it): tiles of 6 rows x 2 vectors of columns held in
+// and ldc, B's row kk at b[kk] (Strided: a matrix; RowList: rows anywhere), for
+// the products Sgemm cannot take as strided matrices (a paged block across
+// pages, the few rows of a decode step): tiles of 6 rows x 2 vectors of columns held in
 // vectors (GCC/Clang vector extensions: one AVX register each on x86-64-v3,
 // one SSE register of 4 on the baseline), k summed in order, so each element's sum
 // is the same whatever the tile it falls in.

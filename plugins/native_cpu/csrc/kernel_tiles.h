@@ -175,8 +175,14 @@ struct TileState {
     if (dot) {
       DotScores(m, nk, dims, qs.data(), krows.data(), sc.data(), kBlockKeys, ahead, lines);
     } else {
-      TransposeRows(krows.data(), nk, dims, kt.data());
-      Gemm(m, nk, dims, qs.data(), dims, kt.data(), kBlockKeys, sc.data(), kBlockKeys, false);
+      const int64_t k_stride = UniformStride(krows.data(), nk, dims);
+      if (k_stride > 0) {  // OpenBLAS: S = Q K^T, K's rows where they are
+        Sgemm(false, true, m, nk, dims, qs.data(), dims, krows[0], k_stride, 0.0f, sc.data(),
+              kBlockKeys);
+      } else {  // rows across pages: the transposed block and our GEMM
+        TransposeRows(krows.data(), nk, dims, kt.data());
+        Gemm(m, nk, dims, qs.data(), dims, kt.data(), kBlockKeys, sc.data(), kBlockKeys, false);
+      }
     }
     for (int64_t r = 0; r < m; ++r) {
       int64_t a, e;
@@ -198,7 +204,13 @@ struct TileState {
       for (int64_t d = 0; d < vdims; ++d) o[d] *= alpha;
     }
     KeyRows(dtype, v, vdims, keys, j0, nk, scratch.data(), vrows.data());
-    Gemm(m, vdims, nk, sc.data(), kBlockKeys, RowList{vrows.data()}, acc.data(), vdims, true);
+    const int64_t v_stride = dot ? 0 : UniformStride(vrows.data(), nk, vdims);
+    if (v_stride > 0) {  // OpenBLAS: acc += P V
+      Sgemm(false, false, m, vdims, nk, sc.data(), kBlockKeys, vrows[0], v_stride, 1.0f,
+            acc.data(), vdims);
+    } else {
+      Gemm(m, vdims, nk, sc.data(), kBlockKeys, RowList{vrows.data()}, acc.data(), vdims, true);
+    }
   }
 };
 

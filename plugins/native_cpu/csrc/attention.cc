@@ -195,7 +195,9 @@ void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) 
 
 void Forward(const Params& p, DType dtype, const void* q, const void* k, const void* v,
              void* out, float* lse, const ParallelFor& parallel_for) {
-  if (IsDecode(p.shape, p.shape.q_len)) return DenseDecode(p, dtype, q, k, v, out, lse, parallel_for);
+  if (IsDecode(p.shape, p.shape.q_len)) {
+    return DenseDecode(p, dtype, q, k, v, out, lse, parallel_for);
+  }
   parallel_for(QueryItems(p.shape),
                [&](int64_t item) { ForwardItem(p, dtype, q, k, v, out, lse, item); });
 }

@@ -54,7 +54,8 @@ void DecodeSplit(const Params& p, DType dtype, const ViewOf& view_of, int64_t lo
   lo = std::max(lo, heads[0].first);
   hi = std::min(hi, heads[0].last);
   const int64_t elem = dtype == DType::kF32 ? 4 : 2;
-  const int64_t k_bytes = s.kv_heads * s.head_dim * elem, v_bytes = s.kv_heads * s.v_head_dim * elem;
+  const int64_t k_bytes = s.kv_heads * s.head_dim * elem;
+  const int64_t v_bytes = s.kv_heads * s.v_head_dim * elem;
   const auto row_start = view_of(0).keys();  // head 0: where each key's run of heads starts
   Prefetcher ahead;
   for (int64_t j0 = lo; j0 < hi; j0 += kDecodeBlock) {

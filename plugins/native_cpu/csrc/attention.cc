@@ -5,328 +5,27 @@
 // Work items: the forward and dq take (batch, kv head, block of query
 // positions) and hold the rows of every query head of that kv head's group,
 // so a GQA group reads each K/V block once; dk and dv take (batch, kv head,
-// block of keys). Every item writes outputs no other item writes, and its
+// block of keys). A decode call (few query rows per kv head) takes (batch
+// row, split of the keys) with every kv head's rows instead, reading each
+// key's run of heads in address order, and merges the splits in order
+// (decode.cc). Every item writes outputs no other item writes, and its
 // arithmetic never depends on the thread it runs on, so the answer is the
 // same bit for bit at any thread count.
 //
-// Vectorisation: the products are one GEMM shape on vectors (GCC/Clang
-// vector extensions), the exponentials a branch-free vector polynomial; the
-// rest are plain loops over contiguous float32 the compiler vectorises. No
-// -ffast-math: every sum runs in an order fixed by the shapes alone. This
-// file is compiled once per instruction set (CMakeLists.txt): for x86-64-v3
+// Vectorisation: the dense blocks' products are OpenBLAS sgemm calls on the
+// calling thread, a few rows' scores dot products over the keys in place, the
+// exponentials a branch-free vector polynomial (GCC/Clang vector extensions);
+// the rest are plain loops over contiguous float32 the compiler vectorises. No
+// -ffast-math: every sum runs in an order fixed by the shapes alone
+// (kernel_math.h). This file and decode.cc are compiled once per instruction
+// set (CMakeLists.txt): for x86-64-v3
 // (AVX2 + FMA; ATTN_ISA isa_v3) and for the baseline (ATTN_ISA
 // isa_baseline); dispatch.cc picks one by the CPU's features at load.
-#include "attention.h"
-
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
-
-#ifndef ATTN_ISA
-#define ATTN_ISA isa_baseline
-#endif
-// The vector width in bytes: 32 (8 floats, one AVX register) for x86-64-v3, 16
-// (4 floats, one SSE register) for the baseline: a vector wider than the
-// target's registers is kept in memory by the compiler (30x slower, measured).
-#ifndef ATTN_VEC_BYTES
-#define ATTN_VEC_BYTES 16
-#endif
+#include "kernel_tiles.h"
 
 namespace attn_native_cpu {
 namespace ATTN_ISA {
 namespace {
-
-#ifndef ATTN_BK
-#define ATTN_BK 128
-#endif
-#ifndef ATTN_ROWS
-#define ATTN_ROWS 64
-#endif
-constexpr int64_t kBlockKeys = ATTN_BK;  // keys per block (scratch rows of K, V, S)
-constexpr int64_t kRowsPerItem = ATTN_ROWS;  // query rows (heads x positions) per item
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline float Bf16ToF32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t F32ToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// Reads n values of dtype at src into float32 dst.
-inline void LoadRow(DType dtype, const void* src, int64_t offset, int64_t n, float* dst) {
-  if (dtype == DType::kF32) {
-    std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float));
-  } else {
-    const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
-    for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(s[i]);
-  }
-}
-
-inline void StoreRow(DType dtype, void* dst, int64_t offset, int64_t n, const float* src,
-                     float factor) {
-  if (dtype == DType::kF32) {
-    float* d = static_cast<float*>(dst) + offset;
-    for (int64_t i = 0; i < n; ++i) d[i] = src[i] * factor;
-  } else {
-    uint16_t* d = static_cast<uint16_t*>(dst) + offset;
-    for (int64_t i = 0; i < n; ++i) d[i] = F32ToBf16(src[i] * factor);
-  }
-}
-
-// The visible keys [lo, hi) of query position i in batch row b (lo >= hi: none).
-struct Range {
-  int64_t lo, hi;
-};
-
-inline Range Visible(const Params& p, int64_t b, int64_t i) {
-  const Shape& s = p.shape;
-  const Visibility& v = p.vis;
-  if (v.q_lengths != nullptr && i >= v.q_lengths[b]) return {0, 0};
-  int64_t hi = s.kv_len;
-  if (v.kv_lengths != nullptr) hi = std::max<int64_t>(0, std::min<int64_t>(hi, v.kv_lengths[b]));
-  int64_t lo = 0;
-  const int64_t diag = i + s.kv_len - s.q_len;
-  if (v.causal) hi = std::min(hi, diag + 1);
-  if (v.window_left >= 0) lo = std::max(lo, diag - v.window_left);
-  if (v.window_right >= 0) hi = std::min(hi, diag + v.window_right + 1);
-  return {lo, hi};
-}
-
-// Query positions per item: rows are (group heads) x (positions).
-inline int64_t PositionsPerItem(const Shape& s) {
-  const int64_t group = s.q_heads / s.kv_heads;
-  return std::max<int64_t>(1, kRowsPerItem / group);
-}
-
-// Where key j of kv head g of batch row b starts in K (or V), width values a row.
-struct DenseKeys {
-  const Shape& s;
-  int64_t b, g;
-  int64_t operator()(int64_t j, int64_t width) const {
-    return ((b * s.kv_len + j) * s.kv_heads + g) * width;
-  }
-};
-
-// K (or V) block [j0, j0 + nk) as float32, the rows found by `offset(j, width)`:
-// `rows` [nk][width] and/or transposed `cols` [width][kBlockKeys]; either may be null.
-template <class Offset>
-void LoadKeys(DType dtype, const void* src, int64_t width, const Offset& offset, int64_t j0,
-              int64_t nk, float* rows, float* cols, float* tmp) {
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    float* row = rows != nullptr ? rows + jj * width : tmp;
-    LoadRow(dtype, src, offset(j0 + jj, width), width, row);
-    if (cols != nullptr) {
-      for (int64_t d = 0; d < width; ++d) cols[d * kBlockKeys + jj] = row[d];
-    }
-  }
-}
-
-// C[m][n] = (accumulate ? C : 0) + A[m][k] . B[k][n], float32, row strides lda,
-// ldb, ldc. Every product of the kernels is this one shape (K, V, P and dS are
-// laid out or transposed for it): tiles of 6 rows x 2 vectors of columns held in
-// vectors (GCC/Clang vector extensions: one AVX register each on x86-64-v3,
-// one SSE register of 4 on the baseline), k summed in order, so each element's sum
-// is the same whatever the tile it falls in.
-typedef float Vec __attribute__((vector_size(ATTN_VEC_BYTES)));
-constexpr int kLanes = ATTN_VEC_BYTES / 4;
-
-// Rows of a GEMM tile: each row holds two vector accumulators, so 6 rows (12
-// registers) leave room for B's two vectors and A's broadcast in 16 registers.
-constexpr int kTileRows = 6;
-
-inline Vec LoadVec(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void StoreVec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-
-// One tile: rows [0, R) x columns [j, j + w) of C, w = 2 * kLanes (full) or
-// less (the last columns, plain loops).
-template <int R>
-inline void GemmTile(int64_t j, int64_t w, int64_t k, const float* a, int64_t lda,
-                     const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  if (w == 2 * kLanes) {
-    Vec acc[R][2];
-    for (int r = 0; r < R; ++r) {
-      for (int h = 0; h < 2; ++h) {
-        acc[r][h] = accumulate ? LoadVec(c + r * ldc + j + kLanes * h) : Vec{};
-      }
-    }
-    for (int64_t kk = 0; kk < k; ++kk) {
-      const Vec b0 = LoadVec(b + kk * ldb + j), b1 = LoadVec(b + kk * ldb + j + kLanes);
-      for (int r = 0; r < R; ++r) {
-        const float ar = a[r * lda + kk];
-        acc[r][0] += ar * b0;
-        acc[r][1] += ar * b1;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int h = 0; h < 2; ++h) StoreVec(c + r * ldc + j + kLanes * h, acc[r][h]);
-    }
-    return;
-  }
-  for (int r = 0; r < R; ++r) {
-    float* cr = c + r * ldc;
-    if (!accumulate) {
-      for (int64_t x = j; x < j + w; ++x) cr[x] = 0.0f;
-    }
-    for (int64_t kk = 0; kk < k; ++kk) {
-      const float ar = a[r * lda + kk];
-      const float* bk = b + kk * ldb;
-      for (int64_t x = j; x < j + w; ++x) cr[x] += ar * bk[x];
-    }
-  }
-}
-
-// Columns outer, rows inner: one panel of B (k x 2 kLanes) stays in L1 while
-// every row tile of A passes over it. The last m % kTileRows rows take a tile
-// of their own height (a 1-row tile has 2 accumulators: latency-bound).
-inline void Gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                 int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  for (int64_t j = 0; j < n; j += 2 * kLanes) {
-    const int64_t w = std::min<int64_t>(2 * kLanes, n - j);
-    int64_t i = 0;
-    for (; i + kTileRows <= m; i += kTileRows) {
-      GemmTile<kTileRows>(j, w, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate);
-    }
-    const float* ai = a + i * lda;
-    float* ci = c + i * ldc;
-    switch (m - i) {
-      case 5: GemmTile<5>(j, w, k, ai, lda, b, ldb, ci, ldc, accumulate); break;
-      case 4: GemmTile<4>(j, w, k, ai, lda, b, ldb, ci, ldc, accumulate); break;
-      case 3: GemmTile<3>(j, w, k, ai, lda, b, ldb, ci, ldc, accumulate); break;
-      case 2: GemmTile<2>(j, w, k, ai, lda, b, ldb, ci, ldc, accumulate); break;
-      case 1: GemmTile<1>(j, w, k, ai, lda, b, ldb, ci, ldc, accumulate); break;
-      default: break;
-    }
-  }
-}
-
-typedef int32_t VecI __attribute__((vector_size(ATTN_VEC_BYTES)));
-
-inline Vec Splat(float f) { return Vec{} + f; }
-
-// exp(x) per lane, branch-free: 2^n * e^r with n = round(x / ln2) (the
-// 1.5 * 2^23 trick) and |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
-// (relative error below 2e-7). x is clamped to [-87, 88]: callers pass scores
-// minus a running maximum or the lse (<= ~0), and zero masked lanes themselves.
-// (A C-style cast between vector types of one size reinterprets the bits.)
-inline Vec ExpVec(Vec x) {
-  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
-  x = x > Splat(88.0f) ? Splat(88.0f) : x;
-  const Vec shifted = x * 1.44269504088896341f + 12582912.0f;
-  const Vec nf = shifted - 12582912.0f;
-  const VecI n = (VecI)shifted - 0x4B400000;
-  const Vec r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
-  Vec poly = Splat(1.0f / 5040.0f);
-  poly = poly * r + 1.0f / 720.0f;
-  poly = poly * r + 1.0f / 120.0f;
-  poly = poly * r + 1.0f / 24.0f;
-  poly = poly * r + 1.0f / 6.0f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.0f;
-  poly = poly * r + 1.0f;
-  const VecI bits = (n + 127) << 23;
-  return poly * (Vec)bits;
-}
-
-// s[jj] = exp(s[jj] - shift) over whole vectors covering [a, e): the lanes
-// just outside it (within the row's kBlockKeys, a multiple of kLanes) are
-// overwritten too, and callers zero everything outside [a, e) afterwards.
-inline void ExpShifted(float* s, int64_t a, int64_t e, float shift) {
-  for (int64_t jj = a & ~int64_t{kLanes - 1}; jj < e; jj += kLanes) {
-    StoreVec(s + jj, ExpVec(LoadVec(s + jj) - shift));
-  }
-}
-
-// Reductions over [a, e) in a fixed order (vector lanes, then the lanes in turn,
-// then the tail): the same bits on any thread.
-inline float MaxRange(const float* s, int64_t a, int64_t e) {
-  Vec m = Splat(kNegInf);
-  int64_t jj = a;
-  for (; jj + kLanes <= e; jj += kLanes) {
-    const Vec x = LoadVec(s + jj);
-    m = x > m ? x : m;
-  }
-  float out = kNegInf;
-  for (int l = 0; l < kLanes; ++l) out = std::max(out, m[l]);
-  for (; jj < e; ++jj) out = std::max(out, s[jj]);
-  return out;
-}
-
-inline float SumRange(const float* s, int64_t a, int64_t e) {
-  Vec acc{};
-  int64_t jj = a;
-  for (; jj + kLanes <= e; jj += kLanes) acc += LoadVec(s + jj);
-  float out = 0.0f;
-  for (int l = 0; l < kLanes; ++l) out += acc[l];
-  for (; jj < e; ++jj) out += s[jj];
-  return out;
-}
-
-// Zero a row of nk keys outside [a, e).
-inline void ZeroOutside(float* s, int64_t a, int64_t e, int64_t nk) {
-  for (int64_t jj = 0; jj < std::min(a, nk); ++jj) s[jj] = 0.0f;
-  for (int64_t jj = std::max<int64_t>(e, 0); jj < nk; ++jj) s[jj] = 0.0f;
-}
-
-// Softcap in place over a row's keys [a, e): s = cap * tanh(s / cap), keeping
-// tanh for the backward when tanh_out is given.
-inline void Softcap(const Params& p, int64_t a, int64_t e, float* s, float* tanh_out) {
-  const float cap = p.softcap, inv = 1.0f / p.softcap;
-  for (int64_t jj = a; jj < e; ++jj) {
-    const float t = std::tanh(s[jj] * inv);
-    if (tanh_out != nullptr) tanh_out[jj] = t;
-    s[jj] = cap * t;
-  }
-}
-
-// The visible keys of row range r in a block starting at j0 of nk keys, as
-// offsets [a, e) into the block (a >= e: none).
-inline void BlockSpan(const Range& range, int64_t j0, int64_t nk, int64_t* a, int64_t* e) {
-  *a = std::max<int64_t>(range.lo - j0, 0);
-  *e = std::min<int64_t>(range.hi - j0, nk);
-}
-
-// The rows of an item: query head (g * group + hh) at position i0 + ii.
-struct Rows {
-  int64_t b, g, i0, positions, group;
-  int64_t count() const { return positions * group; }
-  int64_t head(int64_t r) const { return g * group + r / positions; }
-  int64_t position(int64_t r) const { return i0 + r % positions; }
-};
-
-Rows ItemRows(const Params& p, int64_t item) {
-  const Shape& s = p.shape;
-  const int64_t per = PositionsPerItem(s);
-  const int64_t blocks = (s.q_len + per - 1) / per;
-  const int64_t qb = item % blocks, bg = item / blocks;
-  const int64_t i0 = qb * per;
-  return {bg / s.kv_heads, bg % s.kv_heads, i0, std::min(per, s.q_len - i0),
-          s.q_heads / s.kv_heads};
-}
-
-int64_t QueryItems(const Shape& s) {
-  const int64_t per = PositionsPerItem(s);
-  return s.batch * s.kv_heads * ((s.q_len + per - 1) / per);
-}
-
-inline int64_t QOffset(const Shape& s, int64_t b, int64_t i, int64_t h, int64_t width) {
-  return ((b * s.q_len + i) * s.q_heads + h) * width;
-}
 
 // delta = rowsum(dout * out) - d_lse, the softmax backward's per-row constant.
 inline float RowDelta(const float* dov, const float* o, int64_t vdims, float dlse) {
@@ -378,15 +77,27 @@ void LoadRowTile(const Params& p, DType dtype, const BackwardArgs& x, const Rows
   }
 }
 
-// Probabilities P and dS of a tile's rows against one key block (kt: K
-// transposed [D][kBlockKeys], vt: V transposed [Dv][kBlockKeys]), each
+// A dense K (or V) block as one matrix [nk][width] at `rows`, row stride ld:
+// in place for float32, widened into scratch for bfloat16.
+struct Block {
+  const float* rows;
+  int64_t ld;
+};
+
+Block LoadBlock(DType dtype, const void* src, int64_t width, const DenseKeys& keys, int64_t j0,
+                int64_t nk, float* scratch, std::vector<const float*>* rows) {
+  KeyRows(dtype, src, width, keys, j0, nk, scratch, rows->data());
+  return {(*rows)[0], UniformStride(rows->data(), nk, width)};
+}
+
+// Probabilities P and dS of a tile's rows against one key block (K and V), each
 // [m][kBlockKeys], zero outside every row's visible keys:
 // p = exp(s - lse), ds = p * (dp - delta), times 1 - tanh^2 under softcap.
 void TileGradients(const Params& p, const RowTile& t, int64_t m, int64_t j0, int64_t nk,
-                   const float* kt, const float* vt, float* prob, float* ds, float* tanh_buf) {
+                   const Block& k, const Block& v, float* prob, float* ds, float* tanh_buf) {
   const int64_t dims = p.shape.head_dim, vdims = p.shape.v_head_dim;
-  Gemm(m, nk, dims, t.qs.data(), dims, kt, kBlockKeys, prob, kBlockKeys, false);
-  Gemm(m, nk, vdims, t.dov.data(), vdims, vt, kBlockKeys, ds, kBlockKeys, false);
+  Sgemm(false, true, m, nk, dims, t.qs.data(), dims, k.rows, k.ld, 0.0f, prob, kBlockKeys);
+  Sgemm(false, true, m, nk, vdims, t.dov.data(), vdims, v.rows, v.ld, 0.0f, ds, kBlockKeys);
   for (int64_t r = 0; r < m; ++r) {
     int64_t a, e;
     BlockSpan(t.range[r], j0, nk, &a, &e);
@@ -408,118 +119,10 @@ void TileGradients(const Params& p, const RowTile& t, int64_t m, int64_t j0, int
   }
 }
 
-// The rows of a dense item (Rows) as ForwardTile reads them.
-struct DenseView {
-  const Params& p;
-  Rows rows;
-  int64_t count() const { return rows.count(); }
-  int64_t q_offset(int64_t r, int64_t width) const {
-    return QOffset(p.shape, rows.b, rows.position(r), rows.head(r), width);
-  }
-  int64_t lse_index(int64_t r) const {
-    return (rows.b * p.shape.q_heads + rows.head(r)) * p.shape.q_len + rows.position(r);
-  }
-  Range range(int64_t r) const { return Visible(p, rows.b, rows.position(r)); }
-  DenseKeys keys() const { return {p.shape, rows.b, rows.g}; }
-};
-
-// The forward of one tile of query rows (a View: count, q_offset, lse_index,
-// range, keys), online softmax over its visible key blocks. lse may be null.
-template <class View>
-void ForwardTile(const Params& p, DType dtype, const View& view, const void* q, const void* k,
-                 const void* v, void* out, float* lse) {
-  const Shape& s = p.shape;
-  const int64_t m = view.count(), dims = s.head_dim, vdims = s.v_head_dim;
-  const auto keys = view.keys();
-  std::vector<float> qs(m * dims), acc(m * vdims, 0.0f), row_max(m, kNegInf), row_sum(m, 0.0f);
-  std::vector<float> kt(dims * kBlockKeys), vb(kBlockKeys * vdims), tmp(std::max(dims, vdims));
-  std::vector<float> sc(m * kBlockKeys);
-  std::vector<Range> range(m);
-  int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
-  for (int64_t r = 0; r < m; ++r) {
-    range[r] = view.range(r);
-    if (range[r].lo < range[r].hi) {
-      first = std::min(first, range[r].lo);
-      last = std::max(last, range[r].hi);
-    }
-    LoadRow(dtype, q, view.q_offset(r, dims), dims, qs.data() + r * dims);
-    for (int64_t d = 0; d < dims; ++d) qs[r * dims + d] *= p.scale;
-  }
-  for (int64_t j0 = first; j0 < last; j0 += kBlockKeys) {
-    const int64_t nk = std::min(kBlockKeys, last - j0);
-    LoadKeys(dtype, k, dims, keys, j0, nk, nullptr, kt.data(), tmp.data());
-    LoadKeys(dtype, v, vdims, keys, j0, nk, vb.data(), nullptr, nullptr);
-    Gemm(m, nk, dims, qs.data(), dims, kt.data(), kBlockKeys, sc.data(), kBlockKeys, false);
-    for (int64_t r = 0; r < m; ++r) {
-      int64_t a, e;
-      BlockSpan(range[r], j0, nk, &a, &e);
-      float* sr = sc.data() + r * kBlockKeys;
-      if (a >= e) {  // this row sees none of the block: it adds nothing
-        for (int64_t jj = 0; jj < nk; ++jj) sr[jj] = 0.0f;
-        continue;
-      }
-      if (p.softcap > 0.0f) Softcap(p, a, e, sr, nullptr);
-      const float new_max = std::max(row_max[r], MaxRange(sr, a, e));
-      const float alpha = std::exp(row_max[r] - new_max);  // 0 on the row's first block
-      ExpShifted(sr, a, e, new_max);
-      const float sum = SumRange(sr, a, e);
-      ZeroOutside(sr, a, e, nk);
-      row_sum[r] = row_sum[r] * alpha + sum;
-      row_max[r] = new_max;
-      float* o = acc.data() + r * vdims;
-      for (int64_t d = 0; d < vdims; ++d) o[d] *= alpha;
-    }
-    Gemm(m, vdims, nk, sc.data(), kBlockKeys, vb.data(), vdims, acc.data(), vdims, true);
-  }
-  for (int64_t r = 0; r < m; ++r) {
-    const bool any = row_sum[r] > 0.0f;
-    StoreRow(dtype, out, view.q_offset(r, vdims), vdims, acc.data() + r * vdims,
-             any ? 1.0f / row_sum[r] : 0.0f);
-    if (lse != nullptr) lse[view.lse_index(r)] = any ? row_max[r] + std::log(row_sum[r]) : kNegInf;
-  }
-}
-
 void ForwardItem(const Params& p, DType dtype, const void* q, const void* k, const void* v,
                  void* out, float* lse, int64_t item) {
   ForwardTile(p, dtype, DenseView{p, ItemRows(p, item)}, q, k, v, out, lse);
 }
-
-// Paged: key j of sequence seq lives in page table[seq][j / page_size] at
-// offset j % page_size of the canonical cache [num_pages, page_size, Hkv, D].
-// A page index outside the pool is clamped into it (never read out of bounds).
-struct PagedKeys {
-  const PagedArgs& a;
-  int64_t seq, g, kv_heads;
-  int64_t operator()(int64_t j, int64_t width) const {
-    int64_t page = a.page_table[seq * a.table_width + j / a.page_size];
-    page = std::min<int64_t>(std::max<int64_t>(page, 0), a.num_pages - 1);
-    return ((page * a.page_size + j % a.page_size) * kv_heads + g) * width;
-  }
-};
-
-// Rows [t0, t0 + positions) of sequence seq (its rows start at `start`), every
-// query head of kv head g; q and out are [T, Hq, D].
-struct PagedView {
-  const Params& p;
-  const PagedArgs& a;
-  int64_t seq, g, start, t0, positions, q_len, kv_len;
-  int64_t group() const { return p.shape.q_heads / p.shape.kv_heads; }
-  int64_t count() const { return positions * group(); }
-  int64_t row(int64_t r) const { return t0 + r % positions; }
-  int64_t head(int64_t r) const { return g * group() + r / positions; }
-  int64_t q_offset(int64_t r, int64_t width) const {
-    return (row(r) * p.shape.q_heads + head(r)) * width;
-  }
-  int64_t lse_index(int64_t) const { return 0; }
-  Range range(int64_t r) const {
-    // Causal: row t sees keys up to its own position kv_len - q_len + (t - start).
-    const int64_t pos = kv_len - q_len + (row(r) - start);
-    const int64_t hi = std::min(pos + 1, kv_len);
-    const int64_t lo = a.window_left >= 0 ? std::max<int64_t>(0, pos - a.window_left) : 0;
-    return {lo, hi};
-  }
-  PagedKeys keys() const { return {a, seq, g, p.shape.kv_heads}; }
-};
 
 void DqItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
   const Shape& s = p.shape;
@@ -528,28 +131,21 @@ void DqItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
   RowTile t;
   LoadRowTile(p, dtype, x, rows, &t);
   std::vector<float> dq(m * dims, 0.0f);
-  std::vector<float> kt(dims * kBlockKeys), kb(kBlockKeys * dims), vt(vdims * kBlockKeys);
-  std::vector<float> tmp(vdims), prob(m * kBlockKeys), ds(m * kBlockKeys), tanh_buf(kBlockKeys);
+  std::vector<float> k_scratch = Scratch(dtype, kBlockKeys * dims);
+  std::vector<float> v_scratch = Scratch(dtype, kBlockKeys * vdims);
+  std::vector<const float*> rows_buf(kBlockKeys);
+  std::vector<float> prob(m * kBlockKeys), ds(m * kBlockKeys), tanh_buf(kBlockKeys);
+  const DenseKeys keys{s, rows.b, rows.g};
   for (int64_t j0 = t.first; j0 < t.last; j0 += kBlockKeys) {
     const int64_t nk = std::min(kBlockKeys, t.last - j0);
-    LoadKeys(dtype, x.k, dims, DenseKeys{s, rows.b, rows.g}, j0, nk, kb.data(), kt.data(),
-             nullptr);
-    LoadKeys(dtype, x.v, vdims, DenseKeys{s, rows.b, rows.g}, j0, nk, nullptr, vt.data(),
-             tmp.data());
-    TileGradients(p, t, m, j0, nk, kt.data(), vt.data(), prob.data(), ds.data(),
-                  tanh_buf.data());
-    Gemm(m, dims, nk, ds.data(), kBlockKeys, kb.data(), dims, dq.data(), dims, true);
+    const Block kb = LoadBlock(dtype, x.k, dims, keys, j0, nk, k_scratch.data(), &rows_buf);
+    const Block vb = LoadBlock(dtype, x.v, vdims, keys, j0, nk, v_scratch.data(), &rows_buf);
+    TileGradients(p, t, m, j0, nk, kb, vb, prob.data(), ds.data(), tanh_buf.data());
+    Sgemm(false, false, m, dims, nk, ds.data(), kBlockKeys, kb.rows, kb.ld, 1.0f, dq.data(), dims);
   }
   for (int64_t r = 0; r < m; ++r) {
     StoreRow(dtype, x.dq, QOffset(s, rows.b, rows.position(r), rows.head(r), dims), dims,
              dq.data() + r * dims, p.scale);
-  }
-}
-
-// dst[c][r] = src[r][c] for r < rows, c < cols (src row stride kBlockKeys).
-inline void Transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * kBlockKeys + c];
   }
 }
 
@@ -561,12 +157,14 @@ void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) 
   const int64_t j0 = kb_index * kBlockKeys, nk = std::min(kBlockKeys, s.kv_len - j0);
   const int64_t dims = s.head_dim, vdims = s.v_head_dim, per = PositionsPerItem(s);
   const int64_t m_max = per * group;
-  std::vector<float> kt(dims * kBlockKeys), vt(vdims * kBlockKeys), tmp(std::max(dims, vdims));
+  std::vector<float> k_scratch = Scratch(dtype, kBlockKeys * dims);
+  std::vector<float> v_scratch = Scratch(dtype, kBlockKeys * vdims);
+  std::vector<const float*> rows_buf(kBlockKeys);
   std::vector<float> dk(kBlockKeys * dims, 0.0f), dv(kBlockKeys * vdims, 0.0f);
   std::vector<float> prob(m_max * kBlockKeys), ds(m_max * kBlockKeys), tanh_buf(kBlockKeys);
-  std::vector<float> pt(kBlockKeys * m_max), dst(kBlockKeys * m_max);
-  LoadKeys(dtype, x.k, dims, DenseKeys{s, b, g}, j0, nk, nullptr, kt.data(), tmp.data());
-  LoadKeys(dtype, x.v, vdims, DenseKeys{s, b, g}, j0, nk, nullptr, vt.data(), tmp.data());
+  const DenseKeys keys{s, b, g};
+  const Block kb = LoadBlock(dtype, x.k, dims, keys, j0, nk, k_scratch.data(), &rows_buf);
+  const Block vb = LoadBlock(dtype, x.v, vdims, keys, j0, nk, v_scratch.data(), &rows_buf);
   RowTile t;
   for (int64_t i0 = 0; i0 < s.q_len; i0 += per) {
     const int64_t positions = std::min(per, s.q_len - i0);
@@ -579,12 +177,12 @@ void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) 
     const Rows rows{b, g, i0, positions, group};
     const int64_t m = rows.count();
     LoadRowTile(p, dtype, x, rows, &t);
-    TileGradients(p, t, m, j0, nk, kt.data(), vt.data(), prob.data(), ds.data(),
-                  tanh_buf.data());
-    Transpose(prob.data(), m, nk, pt.data());
-    Transpose(ds.data(), m, nk, dst.data());
-    Gemm(nk, vdims, m, pt.data(), m, t.dov.data(), vdims, dv.data(), vdims, true);
-    Gemm(nk, dims, m, dst.data(), m, t.qs.data(), dims, dk.data(), dims, true);
+    TileGradients(p, t, m, j0, nk, kb, vb, prob.data(), ds.data(), tanh_buf.data());
+    // dV += P^T dO, dK += dS^T (scaled Q): the tiles' P and dS read transposed.
+    Sgemm(true, false, nk, vdims, m, prob.data(), kBlockKeys, t.dov.data(), vdims, 1.0f,
+          dv.data(), vdims);
+    Sgemm(true, false, nk, dims, m, ds.data(), kBlockKeys, t.qs.data(), dims, 1.0f, dk.data(),
+          dims);
   }
   for (int64_t jj = 0; jj < nk; ++jj) {
     const int64_t row = (b * s.kv_len + j0 + jj) * s.kv_heads + g;
@@ -593,43 +191,13 @@ void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) 
   }
 }
 
-struct PagedItem {
-  int64_t seq, start, t0, positions, q_len, kv_len;
-};
-
 }  // namespace
-
-void PagedForward(const Params& p, const PagedArgs& a, DType dtype, const void* q,
-                  const void* k, const void* v, void* out, const ParallelFor& parallel_for) {
-  const Shape& s = p.shape;
-  const int64_t rows = s.q_len, width = s.q_heads * s.v_head_dim;
-  // Rows no counted sequence owns are zeros; so is every row first, so an
-  // inconsistent cu_q_lens leaves zeros, never uninitialised memory.
-  const size_t bytes = (dtype == DType::kF32 ? 4 : 2) * static_cast<size_t>(rows * width);
-  std::memset(out, 0, bytes);
-  const int64_t seqs = std::min<int64_t>(std::max<int64_t>(a.num_seqs, 0), a.seqs);
-  const int64_t per = PositionsPerItem(s), capacity = a.table_width * a.page_size;
-  std::vector<PagedItem> items;
-  int64_t end = 0;
-  for (int64_t seq = 0; seq < seqs; ++seq) {
-    const int64_t start = std::max<int64_t>(end, std::min<int64_t>(a.cu_q_lens[seq], rows));
-    end = std::max<int64_t>(start, std::min<int64_t>(a.cu_q_lens[seq + 1], rows));
-    const int64_t kv_len = std::min<int64_t>(std::max<int64_t>(a.kv_lens[seq], 0), capacity);
-    for (int64_t t0 = start; t0 < end; t0 += per) {
-      items.push_back({seq, start, t0, std::min(per, end - t0), end - start, kv_len});
-    }
-  }
-  const int64_t heads = s.kv_heads;
-  parallel_for(static_cast<int64_t>(items.size()) * heads, [&](int64_t i) {
-    const PagedItem& it = items[i / heads];
-    const PagedView view{p, a, it.seq, i % heads, it.start, it.t0, it.positions, it.q_len,
-                         it.kv_len};
-    ForwardTile(p, dtype, view, q, k, v, out, nullptr);
-  });
-}
 
 void Forward(const Params& p, DType dtype, const void* q, const void* k, const void* v,
              void* out, float* lse, const ParallelFor& parallel_for) {
+  if (IsDecode(p.shape, p.shape.q_len)) {
+    return DenseDecode(p, dtype, q, k, v, out, lse, parallel_for);
+  }
   parallel_for(QueryItems(p.shape),
                [&](int64_t item) { ForwardItem(p, dtype, q, k, v, out, lse, item); });
 }

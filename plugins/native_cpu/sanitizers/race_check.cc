@@ -1,7 +1,9 @@
 // ThreadSanitizer check of the kernels' threading: Forward and Backward over
 // every item kind (several query blocks and key blocks, GQA, causal, window,
-// kv lengths; float32 and bfloat16) on 2 std::threads claiming items from one
-// counter, as ffi.cc's pool does; then the same at 1 thread, bit for bit.
+// kv lengths; float32 and bfloat16), a decode step (its items split the keys,
+// then merge) and a ragged paged batch (prefill tiles beside decode splits)
+// on 2 std::threads claiming items from one counter, as ffi.cc's pool does;
+// then the same at 1 thread, bit for bit.
 // Both builds of the kernels run (the baseline one, which the suite never
 // reaches on an AVX2 machine, and x86-64-v3 where the CPU has it), and must
 // agree with each other to float32 rounding.
@@ -42,55 +44,97 @@ struct Outputs {
   std::vector<uint32_t> out, lse, dq, dk, dv;  // float32 storage, compared as bits
 };
 
+std::vector<float> Normal(size_t n, std::mt19937* gen) {
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n);
+  for (auto& e : x) e = normal(*gen);
+  return x;
+}
+
+// bfloat16 inputs: the float32 values' top halves, in place.
+void* As(an::DType dtype, std::vector<float>& x) {
+  if (dtype == an::DType::kF32) return x.data();
+  auto* bits = reinterpret_cast<uint16_t*>(x.data());
+  for (size_t i = 0; i < x.size(); ++i) {
+    uint32_t w;
+    std::memcpy(&w, &x[i], 4);
+    bits[i] = static_cast<uint16_t>(w >> 16);
+  }
+  return x.data();
+}
+
+std::vector<uint32_t> Bits(const std::vector<float>& x) {
+  std::vector<uint32_t> r(x.size());
+  std::memcpy(r.data(), x.data(), x.size() * 4);
+  return r;
+}
+
+// One dense case: Tq query rows against Tk keys, Hq query heads over 2 kv heads.
+struct Case {
+  int64_t t_q, t_k, hq;
+  std::vector<int32_t> kv_lengths;  // [2]
+  int64_t window_left;
+};
+
+// Tiles of query blocks and key blocks (GQA 2); a decode step (one row per
+// query head of a group of 4, three splits of keys).
+const Case kCases[] = {{300, 300, 4, {300, 170}, 200}, {1, 1300, 8, {1300, 700}, 1000}};
+
 template <class Kernels>
-Outputs Run(an::DType dtype, int threads) {
-  const int64_t b = 2, t = 300, hq = 4, hkv = 2, d = 16;
-  static const std::vector<int32_t> kv_lengths = {300, 170};
+Outputs Run(const Case& c, an::DType dtype, int threads) {
+  const int64_t b = 2, hkv = 2, d = 16, hq = c.hq;
   an::Params p;
-  p.shape = {b, t, t, hq, hkv, d, d};
+  p.shape = {b, c.t_q, c.t_k, hq, hkv, d, d};
   p.scale = 0.25f;
   p.vis.causal = true;
-  p.vis.window_left = 200;
-  p.vis.kv_lengths = kv_lengths.data();
+  p.vis.window_left = c.window_left;
+  p.vis.kv_lengths = c.kv_lengths.data();
   std::mt19937 gen(0);
-  std::normal_distribution<float> normal;
-  std::vector<float> q(b * t * hq * d), k(b * t * hkv * d), v(k.size()), dout(q.size());
-  for (auto* x : {&q, &k, &v, &dout}) {
-    for (auto& e : *x) e = normal(gen);
-  }
-  // bfloat16 inputs: the float32 values' top halves.
-  auto as = [&](std::vector<float>& x) -> void* {
-    if (dtype == an::DType::kF32) return x.data();
-    auto* bits = reinterpret_cast<uint16_t*>(x.data());
-    for (size_t i = 0; i < x.size(); ++i) {
-      uint32_t w;
-      std::memcpy(&w, &x[i], 4);
-      bits[i] = static_cast<uint16_t>(w >> 16);
-    }
-    return x.data();
-  };
-  void *qp = as(q), *kp = as(k), *vp = as(v), *dop = as(dout);
-  std::vector<float> out(q.size()), lse(b * hq * t), dlse(lse.size(), 0.0f), dq(q.size()),
+  auto q = Normal(b * c.t_q * hq * d, &gen), k = Normal(b * c.t_k * hkv * d, &gen),
+       v = Normal(k.size(), &gen), dout = Normal(q.size(), &gen);
+  void *qp = As(dtype, q), *kp = As(dtype, k), *vp = As(dtype, v), *dop = As(dtype, dout);
+  std::vector<float> out(q.size()), lse(b * hq * c.t_q), dlse(lse.size(), 0.0f), dq(q.size()),
       dk(k.size()), dv(v.size());
   Kernels::Forward(p, dtype, qp, kp, vp, out.data(), lse.data(), Threads(threads));
   Kernels::Backward(p, dtype, qp, kp, vp, out.data(), lse.data(), dop, dlse.data(), dq.data(),
                dk.data(), dv.data(), Threads(threads));
-  auto bits = [](const std::vector<float>& x) {
-    std::vector<uint32_t> r(x.size());
-    std::memcpy(r.data(), x.data(), x.size() * 4);
-    return r;
-  };
-  return {bits(out), bits(lse), bits(dq), bits(dk), bits(dv)};
+  return {Bits(out), Bits(lse), Bits(dq), Bits(dk), Bits(dv)};
+}
+
+// A ragged paged batch: a prefill chunk of 40 rows (tiles), decode steps of 1
+// and 2 rows (split items), keys over several splits through a shuffled page
+// table, a page index outside the pool; only out is filled.
+template <class Kernels>
+Outputs RunPaged(an::DType dtype, int threads) {
+  const int64_t hq = 8, hkv = 2, d = 16, page_size = 16, width = 100, pages = 200;
+  const std::vector<int32_t> cu_q_lens = {0, 40, 41, 43}, kv_lens = {1100, 600, 1500};
+  std::vector<int32_t> table(3 * width);
+  std::mt19937 gen(1);
+  for (auto& e : table) e = static_cast<int32_t>(gen() % pages);
+  table[5] = 1000;  // outside the pool: clamped
+  an::Params p;
+  p.shape = {1, cu_q_lens.back(), 0, hq, hkv, d, d};
+  p.scale = 0.25f;
+  const an::PagedArgs a{cu_q_lens.data(), kv_lens.data(), table.data(), 3, 3, width,
+                        page_size, pages, 700};
+  auto q = Normal(cu_q_lens.back() * hq * d, &gen), k = Normal(pages * page_size * hkv * d, &gen),
+       v = Normal(k.size(), &gen);
+  void *qp = As(dtype, q), *kp = As(dtype, k), *vp = As(dtype, v);
+  std::vector<float> out(q.size(), 0.0f);
+  Kernels::PagedForward(p, a, dtype, qp, kp, vp, out.data(), Threads(threads));
+  return {Bits(out), {}, {}, {}, {}};
 }
 
 struct Baseline {
   static constexpr auto Forward = an::isa_baseline::Forward;
   static constexpr auto Backward = an::isa_baseline::Backward;
+  static constexpr auto PagedForward = an::isa_baseline::PagedForward;
   static constexpr const char* name = "baseline";
 };
 struct V3 {
   static constexpr auto Forward = an::isa_v3::Forward;
   static constexpr auto Backward = an::isa_v3::Backward;
+  static constexpr auto PagedForward = an::isa_v3::PagedForward;
   static constexpr const char* name = "x86-64-v3";
 };
 
@@ -107,30 +151,32 @@ float AsFloat(uint32_t bits) {
 }
 
 // Same bits at 1 and 2 threads; returns the 2-thread outputs.
-template <class Kernels>
-Outputs SameAtOneAndTwo(an::DType dtype, int* failures) {
-  const Outputs one = Run<Kernels>(dtype, 1), two = Run<Kernels>(dtype, 2);
+template <class Kernels, class Runner>
+Outputs SameAtOneAndTwo(const Runner& run, const char* what, an::DType dtype, int* failures) {
+  const Outputs one = run(dtype, 1), two = run(dtype, 2);
   for (int i = 0; i < 5; ++i) {
     if (*Fields(one)[i] != *Fields(two)[i]) {
-      std::printf("%s kernels: %s differs between 1 and 2 threads (%s)\n", Kernels::name,
-                  kNames[i], dtype == an::DType::kF32 ? "float32" : "bfloat16");
+      std::printf("%s kernels, %s: %s differs between 1 and 2 threads (%s)\n", Kernels::name,
+                  what, kNames[i], dtype == an::DType::kF32 ? "float32" : "bfloat16");
       ++*failures;
     }
   }
   return two;
 }
 
-}  // namespace
-
-int main() {
-  int failures = 0;
+// Every case at 1 and 2 threads with both builds of the kernels, and the
+// builds against each other.
+template <class Runner>
+void Check(const Runner& run, const char* what, int* failures) {
   const bool v3 = an::KernelIsa() == std::string("x86-64-v3");
   for (an::DType dtype : {an::DType::kF32, an::DType::kBF16}) {
-    const Outputs base = SameAtOneAndTwo<Baseline>(dtype, &failures);
+    const Outputs base = SameAtOneAndTwo<Baseline>(
+        [&](an::DType t, int n) { return run(Baseline{}, t, n); }, what, dtype, failures);
     if (!v3) continue;
-    const Outputs fast = SameAtOneAndTwo<V3>(dtype, &failures);
+    const Outputs fast = SameAtOneAndTwo<V3>(
+        [&](an::DType t, int n) { return run(V3{}, t, n); }, what, dtype, failures);
     // The builds round differently (FMA); float32 accumulations of O(1) terms
-    // over at most 300 keys agree to well within 1e-4 (bfloat16 outputs: 1e-2).
+    // over at most 1500 keys agree to well within 1e-4 (bfloat16 outputs: 1e-2).
     const float tolerance = dtype == an::DType::kF32 ? 1e-4f : 1e-2f;
     for (int i = 0; i < 5; ++i) {
       const auto &a = *Fields(base)[i], &c = *Fields(fast)[i];
@@ -141,11 +187,27 @@ int main() {
         worst = std::max(worst, std::fabs(x - y));
       }
       if (!(worst <= tolerance)) {
-        std::printf("%s: baseline and x86-64-v3 kernels differ by %g\n", kNames[i], worst);
-        ++failures;
+        std::printf("%s: %s: baseline and x86-64-v3 kernels differ by %g\n", what, kNames[i],
+                    worst);
+        ++*failures;
       }
     }
   }
+}
+
+}  // namespace
+
+int main() {
+  int failures = 0;
+  for (const Case& c : kCases) {
+    const std::string what = c.t_q == 1 ? "decode" : "tiles";
+    Check([&](auto kernels, an::DType t, int n) { return Run<decltype(kernels)>(c, t, n); },
+          what.c_str(), &failures);
+  }
+  Check([&](auto kernels, an::DType t, int n) {
+          return RunPaged<decltype(kernels)>(t, n);
+        },
+        "paged", &failures);
   std::printf("race_check (%s kernels): %s\n", an::KernelIsa(), failures ? "FAILED" : "ok");
   return failures ? 1 : 0;
 }

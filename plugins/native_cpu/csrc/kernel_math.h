@@ -1,0 +1,396 @@
+// The arithmetic of the kernels, free of attention: bfloat16 conversion,
+// OpenBLAS's sgemm, a GEMM on vectors (GCC/Clang vector extensions), dot products
+// over rows in place, a software prefetcher, the vector exp and the row
+// reductions, each summing in an order fixed by the shapes alone.
+//
+// Included by the kernels' translation units (attention.cc, decode.cc), which
+// are compiled once per instruction set: ATTN_ISA names the namespace and
+// ATTN_VEC_BYTES the vector width (CMakeLists.txt).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <cblas.h>
+
+#include "attention.h"
+
+#ifndef ATTN_ISA
+#define ATTN_ISA isa_baseline
+#endif
+// The vector width in bytes: 32 (8 floats, one AVX register) for x86-64-v3, 16
+// (4 floats, one SSE register) for the baseline: a vector wider than the
+// target's registers is kept in memory by the compiler (30x slower, measured).
+#ifndef ATTN_VEC_BYTES
+#define ATTN_VEC_BYTES 16
+#endif
+
+namespace attn_native_cpu {
+namespace ATTN_ISA {
+namespace {
+
+#ifndef ATTN_BK
+#define ATTN_BK 128
+#endif
+#ifndef ATTN_ROWS
+#define ATTN_ROWS 64
+#endif
+constexpr int64_t kBlockKeys = ATTN_BK;  // keys per block (scratch rows of K, V, S)
+constexpr int64_t kRowsPerItem = ATTN_ROWS;  // query rows (heads x positions) per item
+#ifndef ATTN_DOT_ROWS
+#define ATTN_DOT_ROWS 8
+#endif
+// Tiles of at most this many query rows take their scores by dot products
+// over the keys in place (DotScores), larger ones by the GEMM on a transposed
+// key block.
+constexpr int64_t kDotRows = ATTN_DOT_ROWS;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float Bf16ToF32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Reads n values of dtype at src into float32 dst.
+inline void LoadRow(DType dtype, const void* src, int64_t offset, int64_t n, float* dst) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float));
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(s[i]);
+  }
+}
+
+inline void StoreRow(DType dtype, void* dst, int64_t offset, int64_t n, const float* src,
+                     float factor) {
+  if (dtype == DType::kF32) {
+    float* d = static_cast<float*>(dst) + offset;
+    for (int64_t i = 0; i < n; ++i) d[i] = src[i] * factor;
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst) + offset;
+    for (int64_t i = 0; i < n; ++i) d[i] = F32ToBf16(src[i] * factor);
+  }
+}
+
+// The stride (in floats) of rows[0..n) if rows[jj] = rows[0] + jj * stride
+// for all of them (a block inside one batch row, or widened into scratch), else
+// 0 (a paged block across pages). n >= 2 for a stride; one row is its width.
+inline int64_t UniformStride(const float* const* rows, int64_t n, int64_t width) {
+  if (n < 2) return width;
+  const int64_t stride = rows[1] - rows[0];
+  if (stride < width) return 0;
+  for (int64_t jj = 2; jj < n; ++jj) {
+    if (rows[jj] - rows[0] != jj * stride) return 0;
+  }
+  return stride;
+}
+
+// C[m][n] = beta * C + op(A) . op(B), float32 row-major, op = transposed
+// where asked: OpenBLAS's sgemm on the calling thread (dispatch.cc sets its
+// threads to 1), for the blocks of the dense kernels; measured faster than
+// Gemm below on them (README).
+inline void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
+                  int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  scipy_cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                    trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+                    static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
+                    static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
+                    static_cast<blasint>(ldc));
+}
+
+// KeyRows' scratch: none for float32, read in place.
+inline std::vector<float> Scratch(DType dtype, int64_t size) {
+  return std::vector<float>(dtype == DType::kF32 ? 0 : size);
+}
+
+// C[m][n] = (accumulate ? C : 0) + A[m][k] . B[k][n], float32, row strides lda
+// and ldc, B's row kk at b[kk] (Strided: a matrix; RowList: rows anywhere), for
+// the products Sgemm cannot take as strided matrices (a paged block across
+// pages, the few rows of a decode step): tiles of 6 rows x 2 vectors of columns held in
+// vectors (GCC/Clang vector extensions: one AVX register each on x86-64-v3,
+// one SSE register of 4 on the baseline), k summed in order, so each element's sum
+// is the same whatever the tile it falls in.
+typedef float Vec __attribute__((vector_size(ATTN_VEC_BYTES)));
+constexpr int kLanes = ATTN_VEC_BYTES / 4;
+
+// Rows of a GEMM tile: each row holds two vector accumulators, so 6 rows (12
+// registers) leave room for B's two vectors and A's broadcast in 16 registers.
+constexpr int kTileRows = 6;
+
+inline Vec LoadVec(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void StoreVec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// One tile: rows [0, R) x columns [j, j + w) of C, w = 2 * kLanes (full) or
+// less (the last columns, plain loops).
+struct Strided {
+  const float* b;
+  int64_t ldb;
+  const float* operator[](int64_t kk) const { return b + kk * ldb; }
+};
+
+struct RowList {
+  const float* const* rows;
+  const float* operator[](int64_t kk) const { return rows[kk]; }
+};
+
+template <int R, class BRows>
+inline void GemmTile(int64_t j, int64_t w, int64_t k, const float* a, int64_t lda,
+                     const BRows& b, float* c, int64_t ldc, bool accumulate) {
+  if (w == 2 * kLanes) {
+    Vec acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        acc[r][h] = accumulate ? LoadVec(c + r * ldc + j + kLanes * h) : Vec{};
+      }
+    }
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float* bk = b[kk];
+      const Vec b0 = LoadVec(bk + j), b1 = LoadVec(bk + j + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float ar = a[r * lda + kk];
+        acc[r][0] += ar * b0;
+        acc[r][1] += ar * b1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) StoreVec(c + r * ldc + j + kLanes * h, acc[r][h]);
+    }
+    return;
+  }
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * ldc;
+    if (!accumulate) {
+      for (int64_t x = j; x < j + w; ++x) cr[x] = 0.0f;
+    }
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float ar = a[r * lda + kk];
+      const float* bk = b[kk];
+      for (int64_t x = j; x < j + w; ++x) cr[x] += ar * bk[x];
+    }
+  }
+}
+
+// Columns outer, rows inner: one panel of B (k x 2 kLanes) stays in L1 while
+// every row tile of A passes over it. The last m % kTileRows rows take a tile
+// of their own height (a 1-row tile has 2 accumulators: latency-bound).
+template <class BRows>
+inline void Gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const BRows& b,
+                 float* c, int64_t ldc, bool accumulate) {
+  for (int64_t j = 0; j < n; j += 2 * kLanes) {
+    const int64_t w = std::min<int64_t>(2 * kLanes, n - j);
+    int64_t i = 0;
+    for (; i + kTileRows <= m; i += kTileRows) {
+      GemmTile<kTileRows>(j, w, k, a + i * lda, lda, b, c + i * ldc, ldc, accumulate);
+    }
+    const float* ai = a + i * lda;
+    float* ci = c + i * ldc;
+    switch (m - i) {
+      case 5: GemmTile<5>(j, w, k, ai, lda, b, ci, ldc, accumulate); break;
+      case 4: GemmTile<4>(j, w, k, ai, lda, b, ci, ldc, accumulate); break;
+      case 3: GemmTile<3>(j, w, k, ai, lda, b, ci, ldc, accumulate); break;
+      case 2: GemmTile<2>(j, w, k, ai, lda, b, ci, ldc, accumulate); break;
+      case 1: GemmTile<1>(j, w, k, ai, lda, b, ci, ldc, accumulate); break;
+      default: break;
+    }
+  }
+}
+
+inline void Gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  Gemm(m, n, k, a, lda, Strided{b, ldb}, c, ldc, accumulate);
+}
+
+// The sum of a vector's lanes, halves added pairwise: a fixed order.
+inline float SumLanes(Vec v) {
+  float t[kLanes];
+  std::memcpy(t, &v, sizeof t);
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) t[l] += t[l + w];
+  }
+  return t[0];
+}
+
+// s[r][jj] = a[r] . keys[jj] for R rows of a (row stride dims) and keys
+// [j, j + J): R x J vector accumulators along the head dim, each key row read
+// once for all R rows; then the lanes, then the last dims % kLanes products.
+template <int R, int J>
+inline void DotTile(int64_t j, int64_t dims, const float* a, const float* const* keys, float* s,
+                    int64_t lds) {
+  const int64_t body = dims - dims % kLanes;
+  Vec acc[R][J] = {};
+  for (int64_t d = 0; d < body; d += kLanes) {
+    Vec x[J];
+    for (int h = 0; h < J; ++h) x[h] = LoadVec(keys[j + h] + d);
+    for (int r = 0; r < R; ++r) {
+      const Vec ar = LoadVec(a + r * dims + d);
+      for (int h = 0; h < J; ++h) acc[r][h] += ar * x[h];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < J; ++h) {
+      float dot = SumLanes(acc[r][h]);
+      for (int64_t d = body; d < dims; ++d) dot += a[r * dims + d] * keys[j + h][d];
+      s[r * lds + j + h] = dot;
+    }
+  }
+}
+
+// Software prefetch of the keys a decode pass reads next, spread over the
+// passes before it: a decode step does a few products per key byte, too few
+// to hide the memory's latency, and the hardware's prefetchers stop at every
+// 4 KiB page. Lines [0, lines) from `rows` of `row_bytes` each.
+class Prefetcher {
+ public:
+  void Clear() {
+    rows_.clear();
+    lines_ = 0;
+    row_ = line_ = 0;
+  }
+  void Add(const void* row, int64_t bytes) {
+    const int64_t lines = (bytes + 63) / 64;
+    rows_.push_back({static_cast<const char*>(row), lines});
+    lines_ += lines;
+  }
+  int64_t Lines() const { return lines_; }
+  // Issues the next `count` lines (none once all are issued).
+  void Step(int64_t count) {
+    for (; count > 0 && row_ < rows_.size(); --count) {
+      __builtin_prefetch(rows_[row_].start + 64 * line_, 0, 3);
+      if (++line_ == rows_[row_].lines) {
+        line_ = 0;
+        ++row_;
+      }
+    }
+  }
+
+ private:
+  struct Row {
+    const char* start;
+    int64_t lines;
+  };
+  std::vector<Row> rows_;
+  int64_t lines_ = 0, line_ = 0;
+  size_t row_ = 0;
+};
+
+template <int R>
+inline void DotRows(int64_t nk, int64_t dims, const float* a, const float* const* keys, float* s,
+                    int64_t lds, Prefetcher* ahead, int64_t per_pair) {
+  int64_t j = 0;
+  for (; j + 2 <= nk; j += 2) {
+    if (ahead != nullptr) ahead->Step(per_pair);
+    DotTile<R, 2>(j, dims, a, keys, s, lds);
+  }
+  if (j < nk) DotTile<R, 1>(j, dims, a, keys, s, lds);
+}
+
+// Scores s[r][jj] = a[r] . keys[jj], r < m, jj < nk, reading the keys where
+// they lie: for the few rows of a decode step, where transposing a key block
+// for the GEMM costs more than the products it feeds. `ahead` (or null) gets
+// `lines` more prefetches issued, spread over the key pairs.
+inline void DotScores(int64_t m, int64_t nk, int64_t dims, const float* a,
+                      const float* const* keys, float* s, int64_t lds, Prefetcher* ahead,
+                      int64_t lines) {
+  const int64_t passes = (m + 3) / 4 * std::max<int64_t>(1, nk / 2);
+  const int64_t per_pair = (lines + passes - 1) / passes;
+  for (int64_t r = 0; r < m; r += 4) {
+    const float* ar = a + r * dims;
+    float* sr = s + r * lds;
+    switch (std::min<int64_t>(4, m - r)) {
+      case 4: DotRows<4>(nk, dims, ar, keys, sr, lds, ahead, per_pair); break;
+      case 3: DotRows<3>(nk, dims, ar, keys, sr, lds, ahead, per_pair); break;
+      case 2: DotRows<2>(nk, dims, ar, keys, sr, lds, ahead, per_pair); break;
+      default: DotRows<1>(nk, dims, ar, keys, sr, lds, ahead, per_pair); break;
+    }
+  }
+}
+
+typedef int32_t VecI __attribute__((vector_size(ATTN_VEC_BYTES)));
+
+inline Vec Splat(float f) { return Vec{} + f; }
+
+// exp(x) per lane, branch-free: 2^n * e^r with n = round(x / ln2) (the
+// 1.5 * 2^23 trick) and |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
+// (relative error below 2e-7). x is clamped to [-87, 88]: callers pass scores
+// minus a running maximum or the lse (<= ~0), and zero masked lanes themselves.
+// (A C-style cast between vector types of one size reinterprets the bits.)
+inline Vec ExpVec(Vec x) {
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  x = x > Splat(88.0f) ? Splat(88.0f) : x;
+  const Vec shifted = x * 1.44269504088896341f + 12582912.0f;
+  const Vec nf = shifted - 12582912.0f;
+  const VecI n = (VecI)shifted - 0x4B400000;
+  const Vec r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
+  Vec poly = Splat(1.0f / 5040.0f);
+  poly = poly * r + 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const VecI bits = (n + 127) << 23;
+  return poly * (Vec)bits;
+}
+
+// s[jj] = exp(s[jj] - shift) over whole vectors covering [a, e): the lanes
+// just outside it (within the row's kBlockKeys, a multiple of kLanes) are
+// overwritten too, and callers zero everything outside [a, e) afterwards.
+inline void ExpShifted(float* s, int64_t a, int64_t e, float shift) {
+  for (int64_t jj = a & ~int64_t{kLanes - 1}; jj < e; jj += kLanes) {
+    StoreVec(s + jj, ExpVec(LoadVec(s + jj) - shift));
+  }
+}
+
+// Reductions over [a, e) in a fixed order (vector lanes, then the lanes in turn,
+// then the tail): the same bits on any thread.
+inline float MaxRange(const float* s, int64_t a, int64_t e) {
+  Vec m = Splat(kNegInf);
+  int64_t jj = a;
+  for (; jj + kLanes <= e; jj += kLanes) {
+    const Vec x = LoadVec(s + jj);
+    m = x > m ? x : m;
+  }
+  float out = kNegInf;
+  for (int l = 0; l < kLanes; ++l) out = std::max(out, m[l]);
+  for (; jj < e; ++jj) out = std::max(out, s[jj]);
+  return out;
+}
+
+inline float SumRange(const float* s, int64_t a, int64_t e) {
+  Vec acc{};
+  int64_t jj = a;
+  for (; jj + kLanes <= e; jj += kLanes) acc += LoadVec(s + jj);
+  float out = 0.0f;
+  for (int l = 0; l < kLanes; ++l) out += acc[l];
+  for (; jj < e; ++jj) out += s[jj];
+  return out;
+}
+
+// Zero a row of nk keys outside [a, e).
+inline void ZeroOutside(float* s, int64_t a, int64_t e, int64_t nk) {
+  for (int64_t jj = 0; jj < std::min(a, nk); ++jj) s[jj] = 0.0f;
+  for (int64_t jj = std::max<int64_t>(e, 0); jj < nk; ++jj) s[jj] = 0.0f;
+}
+
+}  // namespace
+}  // namespace ATTN_ISA
+}  // namespace attn_native_cpu

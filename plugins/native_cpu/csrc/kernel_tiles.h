@@ -1,0 +1,301 @@
+// Tiles of query rows and where their keys are: the contract's visibility
+// rules, the dense and paged key layouts, and the online softmax of one tile
+// over blocks of keys (TileState), shared by the dense forward
+// (attention.cc) and the decode and paged paths (decode.cc).
+#pragma once
+
+#include "kernel_math.h"
+
+namespace attn_native_cpu {
+namespace ATTN_ISA {
+namespace {
+
+// The visible keys [lo, hi) of query position i in batch row b (lo >= hi: none).
+struct Range {
+  int64_t lo, hi;
+};
+
+inline Range Visible(const Params& p, int64_t b, int64_t i) {
+  const Shape& s = p.shape;
+  const Visibility& v = p.vis;
+  if (v.q_lengths != nullptr && i >= v.q_lengths[b]) return {0, 0};
+  int64_t hi = s.kv_len;
+  if (v.kv_lengths != nullptr) hi = std::max<int64_t>(0, std::min<int64_t>(hi, v.kv_lengths[b]));
+  int64_t lo = 0;
+  const int64_t diag = i + s.kv_len - s.q_len;
+  if (v.causal) hi = std::min(hi, diag + 1);
+  if (v.window_left >= 0) lo = std::max(lo, diag - v.window_left);
+  if (v.window_right >= 0) hi = std::min(hi, diag + v.window_right + 1);
+  return {lo, hi};
+}
+
+// Query positions per item: rows are (group heads) x (positions).
+inline int64_t PositionsPerItem(const Shape& s) {
+  const int64_t group = s.q_heads / s.kv_heads;
+  return std::max<int64_t>(1, kRowsPerItem / group);
+}
+
+// Where key j of kv head g of batch row b starts in K (or V), width values a row.
+// Keys types: f(jj, offset) for keys j0 + jj, jj < nk, in order.
+struct DenseKeys {
+  const Shape& s;
+  int64_t b, g;
+  template <class F>
+  void Each(int64_t j0, int64_t nk, int64_t width, const F& f) const {
+    const int64_t start = ((b * s.kv_len + j0) * s.kv_heads + g) * width;
+    for (int64_t jj = 0; jj < nk; ++jj) f(jj, start + jj * s.kv_heads * width);
+  }
+};
+
+// K (or V) block [j0, j0 + nk) as float32 row pointers `rows[jj]`, the rows
+// found by `keys` (DenseKeys, PagedKeys): float32 rows are read where they are
+// (no copy), bfloat16 ones widened into `scratch` [nk][width].
+template <class Keys>
+void KeyRows(DType dtype, const void* src, int64_t width, const Keys& keys, int64_t j0,
+             int64_t nk, float* scratch, const float** rows) {
+  keys.Each(j0, nk, width, [&](int64_t jj, int64_t at) {
+    if (dtype == DType::kF32) {
+      rows[jj] = static_cast<const float*>(src) + at;
+    } else {
+      LoadRow(dtype, src, at, width, scratch + jj * width);
+      rows[jj] = scratch + jj * width;
+    }
+  });
+}
+
+// cols[d][jj] = rows[jj][d]: a key block transposed [width][kBlockKeys], for
+// the GEMMs that take keys as columns.
+inline void TransposeRows(const float* const* rows, int64_t nk, int64_t width, float* cols) {
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    for (int64_t d = 0; d < width; ++d) cols[d * kBlockKeys + jj] = rows[jj][d];
+  }
+}
+
+// Softcap in place over a row's keys [a, e): s = cap * tanh(s / cap), keeping
+// tanh for the backward when tanh_out is given.
+inline void Softcap(const Params& p, int64_t a, int64_t e, float* s, float* tanh_out) {
+  const float cap = p.softcap, inv = 1.0f / p.softcap;
+  for (int64_t jj = a; jj < e; ++jj) {
+    const float t = std::tanh(s[jj] * inv);
+    if (tanh_out != nullptr) tanh_out[jj] = t;
+    s[jj] = cap * t;
+  }
+}
+
+// The visible keys of row range r in a block starting at j0 of nk keys, as
+// offsets [a, e) into the block (a >= e: none).
+inline void BlockSpan(const Range& range, int64_t j0, int64_t nk, int64_t* a, int64_t* e) {
+  *a = std::max<int64_t>(range.lo - j0, 0);
+  *e = std::min<int64_t>(range.hi - j0, nk);
+}
+
+// The rows of an item: query head (g * group + hh) at position i0 + ii.
+struct Rows {
+  int64_t b, g, i0, positions, group;
+  int64_t count() const { return positions * group; }
+  int64_t head(int64_t r) const { return g * group + r / positions; }
+  int64_t position(int64_t r) const { return i0 + r % positions; }
+};
+
+inline Rows ItemRows(const Params& p, int64_t item) {
+  const Shape& s = p.shape;
+  const int64_t per = PositionsPerItem(s);
+  const int64_t blocks = (s.q_len + per - 1) / per;
+  const int64_t qb = item % blocks, bg = item / blocks;
+  const int64_t i0 = qb * per;
+  return {bg / s.kv_heads, bg % s.kv_heads, i0, std::min(per, s.q_len - i0),
+          s.q_heads / s.kv_heads};
+}
+
+inline int64_t QueryItems(const Shape& s) {
+  const int64_t per = PositionsPerItem(s);
+  return s.batch * s.kv_heads * ((s.q_len + per - 1) / per);
+}
+
+inline int64_t QOffset(const Shape& s, int64_t b, int64_t i, int64_t h, int64_t width) {
+  return ((b * s.q_len + i) * s.q_heads + h) * width;
+}
+
+// The rows of a dense item (Rows) as ForwardTile reads them.
+struct DenseView {
+  const Params& p;
+  Rows rows;
+  int64_t count() const { return rows.count(); }
+  int64_t q_offset(int64_t r, int64_t width) const {
+    return QOffset(p.shape, rows.b, rows.position(r), rows.head(r), width);
+  }
+  int64_t lse_index(int64_t r) const {
+    return (rows.b * p.shape.q_heads + rows.head(r)) * p.shape.q_len + rows.position(r);
+  }
+  Range range(int64_t r) const { return Visible(p, rows.b, rows.position(r)); }
+  DenseKeys keys() const { return {p.shape, rows.b, rows.g}; }
+};
+
+// The online softmax of one tile of query rows (a View: count, q_offset,
+// lse_index, range, keys) over blocks of keys: scaled queries, running max and
+// sum, the unnormalised output acc [m][Dv].
+template <class View>
+struct TileState {
+  const Params& p;
+  DType dtype;
+  View view;
+  int64_t m, dims, vdims;
+  bool dot;  // scores by DotScores (few rows), else by the GEMM on transposed keys
+  std::vector<float> qs, acc, row_max, row_sum, kt, sc, scratch;
+  std::vector<const float*> krows, vrows;
+  std::vector<Range> range;
+  int64_t first = std::numeric_limits<int64_t>::max(), last = 0;  // the rows' visible keys
+
+  TileState(const Params& params, DType type, const View& v, const void* q)
+      : p(params), dtype(type), view(v), m(v.count()), dims(params.shape.head_dim),
+        vdims(params.shape.v_head_dim), dot(m <= kDotRows), qs(m * dims), acc(m * vdims, 0.0f),
+        row_max(m, kNegInf), row_sum(m, 0.0f), kt(dot ? 0 : dims * kBlockKeys),
+        sc(m * kBlockKeys),
+        // One widening scratch for bfloat16 K then V: K's rows are done with
+        // once the scores are.
+        scratch(Scratch(type, kBlockKeys * std::max(dims, vdims))), krows(kBlockKeys),
+        vrows(kBlockKeys), range(m) {
+    for (int64_t r = 0; r < m; ++r) {
+      range[r] = view.range(r);
+      if (range[r].lo < range[r].hi) {
+        first = std::min(first, range[r].lo);
+        last = std::max(last, range[r].hi);
+      }
+      LoadRow(dtype, q, view.q_offset(r, dims), dims, qs.data() + r * dims);
+      for (int64_t d = 0; d < dims; ++d) qs[r * dims + d] *= p.scale;
+    }
+  }
+
+  // Keys [j0, j0 + nk), nk <= kBlockKeys; `lines` prefetches of `ahead` (or
+  // null) are issued along the way.
+  void AddBlock(const void* k, const void* v, int64_t j0, int64_t nk, Prefetcher* ahead,
+                int64_t lines) {
+    const auto keys = view.keys();
+    KeyRows(dtype, k, dims, keys, j0, nk, scratch.data(), krows.data());
+    if (dot) {
+      DotScores(m, nk, dims, qs.data(), krows.data(), sc.data(), kBlockKeys, ahead, lines);
+    } else {
+      const int64_t k_stride = UniformStride(krows.data(), nk, dims);
+      if (k_stride > 0) {  // OpenBLAS: S = Q K^T, K's rows where they are
+        Sgemm(false, true, m, nk, dims, qs.data(), dims, krows[0], k_stride, 0.0f, sc.data(),
+              kBlockKeys);
+      } else {  // rows across pages: the transposed block and our GEMM
+        TransposeRows(krows.data(), nk, dims, kt.data());
+        Gemm(m, nk, dims, qs.data(), dims, kt.data(), kBlockKeys, sc.data(), kBlockKeys, false);
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      int64_t a, e;
+      BlockSpan(range[r], j0, nk, &a, &e);
+      float* sr = sc.data() + r * kBlockKeys;
+      if (a >= e) {  // this row sees none of the block: it adds nothing
+        for (int64_t jj = 0; jj < nk; ++jj) sr[jj] = 0.0f;
+        continue;
+      }
+      if (p.softcap > 0.0f) Softcap(p, a, e, sr, nullptr);
+      const float new_max = std::max(row_max[r], MaxRange(sr, a, e));
+      const float alpha = std::exp(row_max[r] - new_max);  // 0 on the row's first block
+      ExpShifted(sr, a, e, new_max);
+      const float sum = SumRange(sr, a, e);
+      ZeroOutside(sr, a, e, nk);
+      row_sum[r] = row_sum[r] * alpha + sum;
+      row_max[r] = new_max;
+      float* o = acc.data() + r * vdims;
+      for (int64_t d = 0; d < vdims; ++d) o[d] *= alpha;
+    }
+    KeyRows(dtype, v, vdims, keys, j0, nk, scratch.data(), vrows.data());
+    const int64_t v_stride = dot ? 0 : UniformStride(vrows.data(), nk, vdims);
+    if (v_stride > 0) {  // OpenBLAS: acc += P V
+      Sgemm(false, false, m, vdims, nk, sc.data(), kBlockKeys, vrows[0], v_stride, 1.0f,
+            acc.data(), vdims);
+    } else {
+      Gemm(m, vdims, nk, sc.data(), kBlockKeys, RowList{vrows.data()}, acc.data(), vdims, true);
+    }
+  }
+};
+
+// Row r's output acc / sum (zeros where the row saw no key) and lse.
+inline void StoreNormalised(DType dtype, void* out, int64_t at, int64_t vdims, const float* acc,
+                            float max, float sum, float* lse) {
+  const bool any = sum > 0.0f;
+  StoreRow(dtype, out, at, vdims, acc, any ? 1.0f / sum : 0.0f);
+  if (lse != nullptr) *lse = any ? max + std::log(sum) : kNegInf;
+}
+
+// The forward of one tile of query rows, all its visible key blocks. lse may be null.
+template <class View>
+void ForwardTile(const Params& p, DType dtype, const View& view, const void* q, const void* k,
+                 const void* v, void* out, float* lse) {
+  TileState<View> t(p, dtype, view, q);
+  for (int64_t j0 = t.first; j0 < t.last; j0 += kBlockKeys) {
+    t.AddBlock(k, v, j0, std::min(kBlockKeys, t.last - j0), nullptr, 0);
+  }
+  for (int64_t r = 0; r < t.m; ++r) {
+    StoreNormalised(dtype, out, view.q_offset(r, t.vdims), t.vdims, t.acc.data() + r * t.vdims,
+                    t.row_max[r], t.row_sum[r], lse == nullptr ? nullptr : lse + view.lse_index(r));
+  }
+}
+
+// Paged: key j of sequence seq lives in page table[seq][j / page_size] at
+// offset j % page_size of the canonical cache [num_pages, page_size, Hkv, D].
+// A page index outside the pool is clamped into it (never read out of bounds).
+struct PagedKeys {
+  const PagedArgs& a;
+  int64_t seq, g, kv_heads;
+  // One division per block, not per key: a block walks its pages in order.
+  template <class F>
+  void Each(int64_t j0, int64_t nk, int64_t width, const F& f) const {
+    int64_t slot = j0 / a.page_size, in_page = j0 % a.page_size, start = 0;
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      if (jj == 0 || in_page == 0) {
+        int64_t page = a.page_table[seq * a.table_width + slot];
+        page = std::min<int64_t>(std::max<int64_t>(page, 0), a.num_pages - 1);
+        start = page * a.page_size;
+      }
+      f(jj, ((start + in_page) * kv_heads + g) * width);
+      if (++in_page == a.page_size) {
+        in_page = 0;
+        ++slot;
+      }
+    }
+  }
+};
+
+// Rows [t0, t0 + positions) of sequence seq (its rows start at `start`), every
+// query head of kv head g; q and out are [T, Hq, D].
+struct PagedView {
+  const Params& p;
+  const PagedArgs& a;
+  int64_t seq, g, start, t0, positions, q_len, kv_len;
+  int64_t group() const { return p.shape.q_heads / p.shape.kv_heads; }
+  int64_t count() const { return positions * group(); }
+  int64_t row(int64_t r) const { return t0 + r % positions; }
+  int64_t head(int64_t r) const { return g * group() + r / positions; }
+  int64_t q_offset(int64_t r, int64_t width) const {
+    return (row(r) * p.shape.q_heads + head(r)) * width;
+  }
+  int64_t lse_index(int64_t) const { return 0; }
+  Range range(int64_t r) const {
+    // Causal: row t sees keys up to its own position kv_len - q_len + (t - start).
+    const int64_t pos = kv_len - q_len + (row(r) - start);
+    const int64_t hi = std::min(pos + 1, kv_len);
+    const int64_t lo = a.window_left >= 0 ? std::max<int64_t>(0, pos - a.window_left) : 0;
+    return {lo, hi};
+  }
+  PagedKeys keys() const { return {a, seq, g, p.shape.kv_heads}; }
+};
+
+// Calls with few query rows per kv head (group x positions <= kDotRows) take
+// the decode path (decode.cc).
+inline bool IsDecode(const Shape& s, int64_t positions) {
+  return positions * (s.q_heads / s.kv_heads) <= kDotRows;
+}
+
+}  // namespace
+
+// The dense forward of a decode call (decode.cc).
+void DenseDecode(const Params& p, DType dtype, const void* q, const void* k, const void* v,
+                 void* out, float* lse, const ParallelFor& parallel_for);
+
+}  // namespace ATTN_ISA
+}  // namespace attn_native_cpu

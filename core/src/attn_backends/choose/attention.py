@@ -238,21 +238,26 @@ class Attention:
             backends = {self.backend_name: self.registry.backend(self.backend_name)}
         origins = self.registry.origins
         agree = self.registry.agree if process_count() > 1 and not local else None
-        explanation = select(
-            call,
-            platform,
-            list(backends.values()),
-            jax_version=jax.__version__,
-            present=dict(self.platforms)[platform],
-            prefer=self.prefer,
-            distributions={name: origin.distribution for name, origin in origins.items()},
-            probe=self.registry.probe,
-            call_for=call_for,
-            options=self.backend_options,
-            measured=self.measured(call, platform, grad),
-            probe_all=agree is not None,
-            **judging,
-        )
+        measured = self.measured(call, platform, grad)
+
+        def judge(probe_also: frozenset[str] = frozenset()) -> Explanation:
+            return select(
+                call,
+                platform,
+                list(backends.values()),
+                jax_version=jax.__version__,
+                present=dict(self.platforms)[platform],
+                prefer=self.prefer,
+                distributions={name: origin.distribution for name, origin in origins.items()},
+                probe=self.registry.probe,
+                call_for=call_for,
+                options=self.backend_options,
+                measured=measured,
+                probe_also=probe_also,
+                **judging,
+            )
+
+        explanation = judge()
         if local:
             return dataclasses.replace(explanation, agreement=LOCAL_WORK)
         if agree is None:
@@ -262,7 +267,7 @@ class Attention:
         question = ("dense", call, platform, grad, self.backend_name, self.prefer,
                     tuple(sorted(self.backend_options)), str(self.tuning),
                     call_for is not None, tuple(sorted(judging)))
-        return agree(explanation, question)
+        return agree(explanation, question, judge)
 
     def measured(self, call: AttentionCall, platform: str, grad: bool) -> Measured | None:
         """The tuning table's word on ``call`` (None: no table, or ``backend=`` pinned)."""

@@ -8,7 +8,7 @@ made in the chosen backend's layout, so every later call must reach that backend
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -61,12 +61,12 @@ def select_paged(call: PagedCall, platform: str, backends: Sequence[Backend], *,
                  distributions: Mapping[str, str] | None = None,
                  probe: PagedProbe | None = None,
                  options: Mapping[str, Any] | None = None,
-                 probe_all: bool = False) -> Explanation:
+                 probe_also: Collection[str] = ()) -> Explanation:
     """Judge every backend for the paged ``call`` on ``platform``; choose the first survivor.
 
     As :func:`~attn_backends.select` for dense calls: paged manifest, jax range,
     ``check_paged``, then ``probe`` (when given and the platform is present,
-    until one is chosen, or every one with ``probe_all``). A backend without
+    until one is chosen, and those named in ``probe_also``). A backend without
     paged support is not "passed over" (``platform_ok`` False), so it never
     causes a fallback warning.
     """
@@ -75,7 +75,9 @@ def select_paged(call: PagedCall, platform: str, backends: Sequence[Backend], *,
     for backend in rank(backends, platform, prefer):
         reasons = _paged_reasons(backend, call, platform, jax_version)
         probed = None
-        if not reasons and probe is not None and present and (chosen is None or probe_all):
+        can_probe = not reasons and probe is not None and present
+        deferred = can_probe and chosen is not None and backend.name not in probe_also
+        if can_probe and not deferred:
             outcome = probe(backend, call, platform, (options or {}).get(backend.name))
             probed = outcome is not None
             reasons += list(outcome or ())
@@ -88,7 +90,8 @@ def select_paged(call: PagedCall, platform: str, backends: Sequence[Backend], *,
             distribution=(distributions or {}).get(backend.name),
             priority=backend.priority_on(platform), accepted=accepted,
             reasons=tuple(reasons), probed=probed,
-            platform_ok=paged and platform in backend.paged_capabilities.platforms))
+            platform_ok=paged and platform in backend.paged_capabilities.platforms,
+            deferred=deferred))
     return Explanation(call, platform, present, tuple(verdicts), chosen)
 
 

@@ -334,17 +334,21 @@ class Registry:
         # No arrays to judge yet: local work only where marked (choose/local.py).
         local = process_count() > 1 and marked()
         agree = self.agree if process_count() > 1 and not local else None
-        explanation = select_paged(
-            call, platform, list(candidates.values()), jax_version=_jax_version(),
-            present=present, prefer=prefer,
-            distributions={n: o.distribution for n, o in self.origins.items()},
-            probe=self.paged_probe, options=backend_options, probe_all=agree is not None)
+
+        def judge(probe_also: frozenset[str] = frozenset()) -> Explanation:
+            return select_paged(
+                call, platform, list(candidates.values()), jax_version=_jax_version(),
+                present=present, prefer=prefer,
+                distributions={n: o.distribution for n, o in self.origins.items()},
+                probe=self.paged_probe, options=backend_options, probe_also=probe_also)
+
+        explanation = judge()
         if agree is not None:
             # Every process makes its cache in the layout of the one backend
             # they all serve (docs/MANY_CHIPS.md, "Many hosts").
             question = ("paged", call, platform, backend, prefer,
                         tuple(sorted(backend_options or {})))
-            explanation = agree(explanation, question)
+            explanation = agree(explanation, question, judge)
         if local:
             explanation = dataclasses.replace(explanation, agreement=LOCAL_WORK)
         return explanation, present

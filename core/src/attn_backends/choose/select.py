@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,13 +37,19 @@ class Measured:
 Tuning = Callable[[Any, AttentionCall, str, bool, Mapping[str, Backend]], "Measured | None"]
 
 
-#: ``agree(explanation, question) -> explanation``: the choice every process of a
-#: multi-process run makes for ``question`` (a hashable that names the same
-#: selection in every process), given this process's explanation of it; raises
+#: ``rejudge(probe_also) -> explanation``: the same selection judged again, with
+#: the backends named in ``probe_also`` probed even where ranked below the
+#: chosen one (verdicts already cached cost nothing).
+Rejudge = Callable[[frozenset[str]], "Explanation"]
+
+#: ``agree(explanation, question, rejudge) -> explanation``: the choice every
+#: process of a multi-process run makes for ``question`` (a hashable that names
+#: the same selection in every process), given this process's explanation of it
+#: and the way to probe a backend it deferred (``rejudge``); raises
 #: AgreementError when the processes cannot hear from each other in time.
 #: Consulted only when ``jax.process_count() > 1``. The registry's default is
 #: :class:`attn_backends.parallel.hosts.Hosts`.
-Agree = Callable[["Explanation", Any], "Explanation"]
+Agree = Callable[["Explanation", Any, Rejudge], "Explanation"]
 
 
 #: ``Explanation.agreement`` of a multi-process run's call chosen by its process
@@ -71,6 +77,9 @@ class Verdict:
     #: How the call this backend is judged on and given differs from the
     #: caller's (e.g. "key mask rewritten as segment ids").
     notes: tuple[str, ...] = ()
+    #: Accepted by manifest and ``check``, its probe not run because it ranks
+    #: below the chosen one (a multi-process run may still ask for it).
+    deferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,14 +134,11 @@ class Explanation:
     def __str__(self) -> str:
         status = "" if self.present else " (not present here: manifest only, unprobed)"
         lines = [f"call: {self.call.describe()}", f"platform: {self.platform}{status}"]
-        below_chosen = False
         for verdict in self.verdicts:
             mark = "CHOSEN" if verdict.backend == self.chosen else (
                 "rejected" if not verdict.accepted else
-                "ok (not probed: ranked below the chosen one)" if below_chosen and self.present
-                and verdict.probed is None else "ok"
+                "ok (not probed: ranked below the chosen one)" if verdict.deferred else "ok"
             )
-            below_chosen = below_chosen or verdict.backend == self.chosen
             lines.append(f"  {verdict.backend:<16} prio {verdict.priority:>4}  {mark}")
             lines += [f"      - {reason}" for reason in verdict.reasons]
             lines += [f"      = {note}" for note in verdict.notes]
@@ -194,7 +200,7 @@ def select(
     calls_for: Callable[[Backend], Sequence[AttentionCall]] | None = None,
     reasons_for: Callable[[Backend], Sequence[str]] | None = None,
     measured: Measured | None = None,
-    probe_all: bool = False,
+    probe_also: Collection[str] = (),
 ) -> Explanation:
     """Judge every backend for ``call`` on ``platform`` and choose the first survivor.
 
@@ -216,9 +222,10 @@ def select(
     names in ``prefer`` (which still win), and must pass every step like any
     other; a quarantined, refused or missing one leaves the priority order.
 
-    ``probe_all`` probes every backend that passes the other steps, not only
-    until one is chosen: a multi-process run agrees on the first backend that
-    every process serves, so each must know its verdict on all of them.
+    ``probe_also`` names backends probed even when ranked below the chosen one
+    (the others there are ``deferred``): a multi-process run agrees on the first
+    backend that every process serves, and asks for the probe of a candidate
+    this process deferred (parallel/hosts.py).
     """
     verdicts = []
     chosen = None
@@ -239,7 +246,9 @@ def select(
             found = _reasons(backend, served, platform, jax_version)
             reasons += [r for r in found if r not in reasons]
         probed = None
-        if not reasons and probe is not None and present and (chosen is None or probe_all):
+        can_probe = not reasons and probe is not None and present
+        deferred = can_probe and chosen is not None and backend.name not in probe_also
+        if can_probe and not deferred:
             for one in judged:
                 outcome = probe(backend, one, platform, (options or {}).get(backend.name))
                 probed = bool(probed) or outcome is not None
@@ -260,6 +269,7 @@ def select(
                 probed=probed,
                 platform_ok=platform in backend.capabilities.platforms,
                 notes=tuple(notes),
+                deferred=deferred,
             )
         )
     return Explanation(call, platform, present, tuple(verdicts), chosen, measured)

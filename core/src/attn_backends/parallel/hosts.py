@@ -7,17 +7,25 @@ collective or compute garbage. So when ``jax.process_count() > 1`` every
 selection (dense, paged, the flax adapter's, explain's) but local work (a call
 on this process's devices only: ``attn_backends.choose.local``) ends here:
 
-1. this process judges every backend for the call (manifest, ``check``, probe on
-   a device of its own: ``select(probe_all=True)``) and publishes its *offer*,
-   the backends it serves with their versions and the order it ranks them in,
-   through the key-value store of JAX's coordination service (the one
-   ``jax.distributed.initialize`` starts);
+1. this process judges the backends for the call as it would alone (manifest
+   and ``check`` for every one, the probe, on a device of its own, in its order
+   until one passes; those ranked below are *deferred*) and publishes its
+   *offer*, the backends it serves and defers with their versions and the
+   order it ranks them in, through the key-value store of JAX's coordination
+   service (the one ``jax.distributed.initialize`` starts);
 2. it reads every other process's offer, waiting at most
-   ``ATTN_BACKENDS_AGREE_TIMEOUT_S`` (default 300 s) in all;
+   ``ATTN_BACKENDS_AGREE_TIMEOUT_S`` (default 300 s) for each exchange;
 3. all take one rule over the same offers (:func:`decide`): the first backend in
    process 0's order that every process serves, at the same version, under the
-   same jax and jaxlib. Where none exists every process gets the same
+   same jax and jaxlib. Where that first candidate is deferred somewhere, each
+   process that deferred it probes it, and all exchange offers again (a step;
+   usually none is needed, as every process probed the same first choice).
+   Where no backend is served by all, every process gets the same
    :class:`~attn_backends.AgreementError`, naming what each could serve.
+
+Probing only what the rule reaches gives the choice probing everything would
+(the rule reads the offers in one fixed order), at the cost of one probe per
+process instead of one per installed backend.
 
 A process that does not publish in time (it died, hangs, or traces another
 program) is named in an AgreementError on every process that waited for it.
@@ -37,14 +45,14 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..choose.select import Explanation, Verdict
+from ..choose.select import Explanation, Rejudge, Verdict
 from ..contract.environment import env_setting, seconds
 from ..contract.errors import AgreementError, AgreementWarning, warn
 
-#: Seconds a process waits in all for the others' offers of one selection.
+#: Seconds a process waits for the others' offers at each exchange of one selection.
 DEFAULT_TIMEOUT_S = 300.0
 #: Where offers live in the coordination service's key-value store.
-KEY_PREFIX = "attn_backends/agree/v1"
+KEY_PREFIX = "attn_backends/agree/v2"
 #: Reasons per refused backend carried in an offer (the first say why).
 _REASONS_KEPT = 2
 
@@ -60,14 +68,15 @@ class KeyValueStore(Protocol):
 
 
 def agree_timeout_s() -> float:
-    """``ATTN_BACKENDS_AGREE_TIMEOUT_S``: seconds one selection waits for every offer."""
+    """``ATTN_BACKENDS_AGREE_TIMEOUT_S``: seconds each exchange of offers waits for all."""
     return env_setting("ATTN_BACKENDS_AGREE_TIMEOUT_S", seconds,
                        accepts="a number of seconds > 0", default=DEFAULT_TIMEOUT_S)
 
 
 def offer(explanation: Explanation, process: int, host: str) -> dict[str, Any]:
-    """What this process publishes: its ranking, the backends it serves (name ->
-    version) and why it refuses the others, with its jax and jaxlib versions."""
+    """What this process publishes: its ranking, the backends it serves and those
+    it deferred (name -> version), why it refuses the others, with its jax and
+    jaxlib versions."""
     from ..contract.environment import versions
 
     found = versions()
@@ -77,7 +86,9 @@ def offer(explanation: Explanation, process: int, host: str) -> dict[str, Any]:
         "jax": found["jax"],
         "jaxlib": found["jaxlib"],
         "order": [v.backend for v in explanation.verdicts],
-        "serves": {v.backend: v.version for v in explanation.verdicts if v.accepted},
+        "serves": {v.backend: v.version for v in explanation.verdicts
+                   if v.accepted and not v.deferred},
+        "deferred": {v.backend: v.version for v in explanation.verdicts if v.deferred},
         "refuses": {v.backend: list(v.reasons[:_REASONS_KEPT])
                     for v in explanation.verdicts if not v.accepted},
         "chosen": explanation.chosen,
@@ -95,6 +106,9 @@ class Decision:
     refused: dict[str, tuple[str, ...]]
     #: Whether some process would have chosen otherwise alone.
     overruled: bool
+    #: The first candidate some process deferred: no choice yet, it must be
+    #: probed there first (then ``chosen`` is None and ``note`` says so).
+    pending: str | None = None
 
 
 def _who(one: dict[str, Any]) -> str:
@@ -103,13 +117,16 @@ def _who(one: dict[str, Any]) -> str:
 
 def _serves_line(one: dict[str, Any]) -> str:
     serves = ", ".join(f"{name} {version}" for name, version in one["serves"].items())
-    return f"{_who(one)} serves {serves or 'nothing'}"
+    line = f"{_who(one)} serves {serves or 'nothing'}"
+    deferred = ", ".join(one["deferred"])
+    return line + (f" (not probed: {deferred})" if deferred else "")
 
 
 def decide(offers: Sequence[dict[str, Any]]) -> Decision:
     """One rule every process takes over the same offers (sorted by process): the
     first backend in process 0's order that every process serves at one version,
-    under one jax and jaxlib."""
+    under one jax and jaxlib; or, where some process deferred that backend's
+    probe, that backend as ``pending``."""
     offers = sorted(offers, key=lambda o: o["process"])
     lines = "; ".join(_serves_line(o) for o in offers)
     stacks = {(o["jax"], o["jaxlib"]) for o in offers}
@@ -129,15 +146,19 @@ def decide(offers: Sequence[dict[str, Any]]) -> Decision:
             if name not in one["order"]:
                 why.append(f"{_who(one)} does not have it (not installed, or left out by "
                            "ATTN_BACKENDS_ONLY / ATTN_BACKENDS_DISABLE there)")
-            elif name not in one["serves"]:
+            elif name in one["refuses"]:
                 why.append(f"{_who(one)} refuses it: " + "; ".join(one["refuses"][name]))
-        versions = {one["serves"][name] for one in offers if name in one["serves"]}
+        held = [{**one["deferred"], **one["serves"]} for one in offers]
+        versions = {mine[name] for mine in held if name in mine}
         if not why and len(versions) > 1:
             why.append("the processes hold different versions: " + ", ".join(
-                f"{_who(o)} {o['serves'][name]}" for o in offers))
+                f"{_who(o)} {mine[name]}" for o, mine in zip(offers, held, strict=True)))
         if why:
             refused[name] = tuple(why)
         elif chosen is None:
+            if any(name in one["deferred"] for one in offers):
+                return Decision(None, f"{name} is to be probed where it was deferred",
+                                refused, False, pending=name)
             chosen = name
     overruled = any(o["chosen"] != chosen for o in offers)
     if chosen is None:
@@ -185,7 +206,9 @@ def _digest(question: Hashable) -> str:
 
 
 class Hosts:
-    """The registry's agreement across processes: ``hosts(explanation, question)``.
+    """The registry's agreement across processes: ``hosts(explanation, question,
+    rejudge)``, ``rejudge`` probing what this process deferred when the rule
+    reaches it.
 
     ``store`` is the coordination service's key-value client (None: the one
     ``jax.distributed.initialize`` made), ``process``/``count`` this process's
@@ -206,7 +229,8 @@ class Hosts:
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
-    def __call__(self, explanation: Explanation, question: Hashable) -> Explanation:
+    def __call__(self, explanation: Explanation, question: Hashable,
+                 rejudge: Rejudge) -> Explanation:
         import jax
 
         process = jax.process_index() if self._process is None else self._process
@@ -220,9 +244,19 @@ class Hosts:
                 return known
             round_ = self._rounds.get(digest, 0)
             self._rounds[digest] = round_ + 1
-            offers = self._exchange(f"{KEY_PREFIX}/{digest}/{round_}", mine, process, count,
-                                    explanation)
-            decision = decide(offers)
+            probed: set[str] = set()
+            # Every process reads the same offers at each step, so all take the
+            # same steps; each step settles its pending backend everywhere.
+            for step in range(len(explanation.verdicts) + 1):
+                offers = self._exchange(f"{KEY_PREFIX}/{digest}/{round_}/{step}", mine, process,
+                                        count, explanation)
+                decision = decide(offers)
+                if decision.pending is None:
+                    break
+                if decision.pending in mine["deferred"]:
+                    probed.add(decision.pending)
+                    explanation = rejudge(frozenset(probed))
+                    mine = offer(explanation, process, self._host)
             first = min(offers, key=lambda o: o["process"])
             result = agreed(explanation, decision, first["order"])
             self._decided[memo] = result

@@ -93,7 +93,7 @@ DIST := dist
 # STAGE_TIMES), appends "NAME SECONDS STATUS" to .stage-times.
 TIMED := tools/stage_time.sh
 
-.PHONY: install install-compat demo dist lint matrix test test-stages test-main test-compat \
+.PHONY: install install-compat demo dist lint matrix readme-matrix test test-stages test-main test-compat \
 	test-wheels test-gpu clean
 
 $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
@@ -146,10 +146,13 @@ test-stages: lint test-main pytest-compat
 		certify-compat-ejkernel_xla certify-compat-xla_native wheels-xla $(CERTIFY_COMPAT); \
 		status=$$?; $(MAKE) matrix && exit $$status
 
-# Library x backend x contract family, from the certificates in $(CERTS)
-# (`attn-backends matrix --markdown` for the README's table).
+# Library x backend x contract family, from the certificates in $(CERTS).
 matrix: install
 	$(TIMED) $@ -- $(VENV)/bin/attn-backends matrix $(CERTS)
+
+# The README's matrix, rewritten from the certificates of the last `make test`.
+readme-matrix: install
+	$(VENV)/bin/attn-backends matrix $(CERTS) --into README.md
 
 # Ruff over every Python file of the repo (pyproject.toml holds its rules): seconds.
 lint: install

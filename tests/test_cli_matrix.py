@@ -109,9 +109,32 @@ def test_failing_unsupported_and_two_jax_lines(real: dict[str, Any], tmp_path: P
     _write(folder, "example_dense-jax-0.10", older)
     assert _matrix(capsys, str(folder))["softcap"] == ["unsupported", "pass"]
     # The quick table samples the families: one it drew no case of is not a
-    # declaration that the backend does not serve it.
+    # declaration that the backend does not serve it (example_dense serves long
+    # sequences; the quick table holds none)...
+    assert "long" in real["full_table_families"] and "long" not in real["families"]
+    long = {"float32": {"passed": 2}}
+    _write(folder, "example_dense", {**real, "only_families": None, "mode": "full",
+                                     "families": {**real["families"], "long": long,
+                                                  "softcap": softcap}})
     _write(folder, "example_dense-jax-0.10", {**older, "mode": "quick"})
+    assert _matrix(capsys, str(folder))["long"] == ["not in quick table", "pass"]
+    # ... unless the full table draws no case of it for this manifest either:
+    # example_dense does not claim softcap.
+    assert "softcap" not in real["full_table_families"]
+    assert _matrix(capsys, str(folder))["softcap"] == ["unsupported", "pass"]
+    # A quick table whose cases of a claimed family check() all declined says
+    # nothing of the full table's other cases.
+    declined = {**older, "mode": "quick",
+                "families": {**older["families"], "long": {"float32": {"skipped": 2}}}}
+    _write(folder, "example_dense-jax-0.10", declined)
+    assert _matrix(capsys, str(folder))["long"] == ["declined in quick table", "pass"]
+    _write(folder, "example_dense-jax-0.10", {**declined, "mode": "full"})
+    assert _matrix(capsys, str(folder))["long"] == ["unsupported", "pass"]
+    # A certificate from before full_table_families: absent reads as not sampled.
+    legacy = {k: v for k, v in older.items() if k != "full_table_families"}
+    _write(folder, "example_dense-jax-0.10", {**legacy, "mode": "quick"})
     assert _matrix(capsys, str(folder))["softcap"] == ["not in quick table", "pass"]
+    _write(folder, "example_dense", {**real, "only_families": None})
     # Two certificates of one backend on one line: named by their tables.
     _write(folder, "example_dense-full", {**real, "mode": "full", "only_families": None})
     assert _matrix(capsys, str(folder))["family"] == [
@@ -149,3 +172,43 @@ def test_an_empty_folder_says_how_to_make_certificates(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["matrix", str(tmp_path)]) == 2
     assert "attn-backends check NAME --json" in capsys.readouterr().err
+
+
+def test_into_writes_the_markdown_between_the_markers_and_keeps_the_rest(
+        real: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from attn_backends.cli.matrix import MATRIX_BEGIN, MATRIX_END
+
+    path = _write(tmp_path / "certs", "example_dense", real)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nbefore\n{MATRIX_BEGIN}\nstale table\n{MATRIX_END}\nafter\n")
+    assert main(["matrix", str(path), "--into", str(readme)]) == 0
+    assert "wrote the matrix of 1 certificates" in capsys.readouterr().out
+    assert main(["matrix", "--markdown", str(path)]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    assert readme.read_text() == (f"# Title\n\nbefore\n{MATRIX_BEGIN}\n\n{printed}\n\n"
+                                  f"{MATRIX_END}\nafter\n")
+    # Again: the same file, nothing doubled.
+    first = readme.read_text()
+    assert main(["matrix", str(path), "--into", str(readme)]) == 0
+    assert readme.read_text() == first
+    readme.write_text("no markers\n")
+    assert main(["matrix", str(path), "--into", str(readme)]) == 2
+    assert "expected one line '<!-- attn-backends matrix: begin -->'" in capsys.readouterr().err
+    assert readme.read_text() == "no markers\n"
+
+
+def test_the_readme_matrix_is_the_commands_output() -> None:
+    """The README's block is what `matrix --into` writes: its two tables and the
+    legend, every cell a word of the legend (a hand edit rarely is)."""
+    from attn_backends.cli.matrix import LEGEND, MATRIX_BEGIN, MATRIX_END
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    block = text.split(MATRIX_BEGIN + "\n", 1)[1].split(MATRIX_END, 1)[0]
+    tables = [part for part in block.strip().split("\n\n")]
+    assert len(tables) == 3 and tables[2] == LEGEND
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in tables[1].splitlines()]
+    words = re.compile(r"pass( \(\d+ skipped\))?|FAIL \d+/\d+|unsupported|nothing to refuse|"
+                       r"not run|not in quick table|declined in quick table")
+    assert rows[0][0] == "family" and len(rows) > 20
+    for row in rows[2:]:
+        assert all(words.fullmatch(c) for c in row[1:]), row

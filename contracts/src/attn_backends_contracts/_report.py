@@ -43,6 +43,9 @@ def certificate(suite: Any, exitstatus: int) -> dict[str, Any]:
         "distribution": suite.distribution,
         "mode": "quick" if suite.quick else "full",
         "only_families": suite.only,
+        # The case families the full table draws for this manifest (a quick
+        # table samples them).
+        "full_table_families": suite.full_table_families,
         # Compiler flags change no operation of a program, but may its code:
         # a certificate says which it was made with.
         "xla_flags": os.environ.get("XLA_FLAGS") or None,

@@ -131,6 +131,10 @@ class Suite:
         self._tiled: dict[str, Any] = {}
         self.cases: list[Case] = [c for c in cases_for(self.caps, quick=quick)
                                   if not c.tiles or self.tile_options(c) is not None]
+        # The case families the full table draws for this manifest: a quick
+        # certificate says by them which families it left out as not sampled
+        # and which the manifest does not claim (attn-backends matrix).
+        self.full_table_families = sorted({c.family for c in cases_for(self.caps)})
         self.records: list[dict[str, Any]] = []
         self.worst: dict[str, dict[str, float]] = {}
         self.certificate: dict[str, Any] | None = None

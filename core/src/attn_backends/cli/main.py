@@ -12,6 +12,7 @@ from ..contract.capabilities import DTYPES
 from ..contract.errors import AttnBackendsError
 from . import report as _report
 from .call_flags import add_call_flags, call_arguments, ints, margin, positive, seq_lengths
+from .matrix import MATRIX_BEGIN, MATRIX_END
 from .text import table as _table
 
 
@@ -114,7 +115,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_matrix(args: argparse.Namespace) -> int:
     from .matrix import cmd_matrix as matrix
 
-    return matrix(args.certificates, markdown=args.markdown)
+    return matrix(args.certificates, markdown=args.markdown, into=args.into)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -358,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
              "(default: .certificates, where make test writes them)")
     p_matrix.add_argument("--markdown", action="store_true",
                           help="Markdown tables (for a README) instead of plain text")
+    p_matrix.add_argument(
+        "--into", metavar="FILE", default=None,
+        help="write the Markdown tables into FILE, between its lines "
+             f"'{MATRIX_BEGIN}' and '{MATRIX_END}' (a README's matrix), instead of printing")
     p_matrix.set_defaults(func=cmd_matrix)
 
     p_tune = sub.add_parser(

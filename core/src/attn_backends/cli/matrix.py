@@ -18,7 +18,15 @@ dtypes:
 - ``not run``: the certificate comes from a run limited to other families
   (``--attn-only``);
 - ``not in quick table``: the certificate comes from the quick table, which
-  holds no case of the family (it samples the families; the full table has them).
+  holds no case of the family (it samples the families; the full table has them
+  for this manifest);
+- ``declined in quick table``: the quick table's cases of the family were all
+  declined by the backend's ``check()``; the full table's other cases may be
+  served.
+
+A quick certificate names the families the full table draws for its manifest
+(``full_table_families``): a family outside them is ``unsupported`` in either
+table. (Certificates written before that field read ``not in quick table``.)
 
 Nothing here imports JAX or a backend: a matrix can be read anywhere the
 certificates are.
@@ -38,6 +46,9 @@ from .text import markdown_table, table
 
 #: The folder ``make test`` writes its certificates to.
 DEFAULT_FOLDER = ".certificates"
+#: The lines that hold a matrix in a Markdown file (``matrix --into FILE``).
+MATRIX_BEGIN = "<!-- attn-backends matrix: begin -->"
+MATRIX_END = "<!-- attn-backends matrix: end -->"
 #: Families that test refusals of what the manifest does not claim, with the
 #: family they refuse within (None: the dense call): with everything claimed
 #: there is nothing to refuse, and their one test skips; without paged support
@@ -52,7 +63,9 @@ LEGEND = (
     "it does not serve what the family tests (its manifest claims none of it, or its "
     "check() declines every case), so none ran; not run: the certificate comes from a "
     "run of other families only (--attn-only); not in quick table: the quick table "
-    "holds no case of the family; nothing to refuse: the manifest claims "
+    "holds no case of the family (the full table does, for this manifest); declined in "
+    "quick table: check() declined the quick table's cases of it (the full table has "
+    "more); nothing to refuse: the manifest claims "
     "everything a refusal family (unclaimed) checks is refused, so it had nothing to check."
 )
 
@@ -139,20 +152,26 @@ def load(paths: Sequence[str]) -> list[Certified]:
 
 def cell(certificate: dict[str, Any], family: str) -> str:
     """What ``certificate`` says of ``family``: pass, FAIL F/N, unsupported, nothing to
-    refuse, not run or not in quick table."""
+    refuse, not run, not in quick table or declined in quick table."""
     only = certificate.get("only_families")
     if only and family not in only:
         return "not run"
-    if family not in certificate["families"] and certificate.get("mode") == "quick":
-        # The quick table samples the families: one it holds no case of says
-        # nothing of what the backend serves.
-        return "not in quick table"
+    quick = certificate.get("mode") == "quick"
+    full_table = certificate.get("full_table_families")
+    # The quick table samples the families: one it holds no case of, or whose
+    # cases it holds check() declined, says nothing of what the backend serves,
+    # unless the full table has no case of it for this manifest either.
+    sampled_out = quick and (full_table is None or family in full_table)
+    if family not in certificate["families"] and quick:
+        return "not in quick table" if sampled_out else "unsupported"
     by_dtype = certificate["families"].get(family, {})
     counts = {k: sum(int(c.get(k, 0)) for c in by_dtype.values())
               for k in ("passed", "failed", "skipped")}
     if counts["failed"]:
         return f"FAIL {counts['failed']}/{sum(counts.values())}"
     if not counts["passed"]:
+        if quick and full_table is not None and family in full_table:
+            return "declined in quick table"
         if family not in REFUSALS:
             return "unsupported"
         within = REFUSALS[family]
@@ -197,7 +216,31 @@ def render(certified: Sequence[Certified], *, markdown: bool = False) -> str:
                         f"contract families\n\n{table(matrix, matrix_head)}", LEGEND])
 
 
-def cmd_matrix(paths: Sequence[str], *, markdown: bool) -> int:
-    """Print the matrix of the certificates in ``paths`` (default: :data:`DEFAULT_FOLDER`)."""
-    print(render(load(list(paths) or [DEFAULT_FOLDER]), markdown=markdown))
+def write_into(path: str, text: str) -> None:
+    """Replace what lies between the lines MATRIX_BEGIN and MATRIX_END of the file
+    ``path`` with ``text``; the rest of the file is kept as it is."""
+    try:
+        lines = Path(path).read_text().split("\n")
+    except OSError as exc:
+        raise ValueError(f"--into {path}: cannot read it ({exc})") from exc
+    found = [i for i, line in enumerate(lines) if line.strip() in (MATRIX_BEGIN, MATRIX_END)]
+    marks = [lines[i].strip() for i in found]
+    if marks != [MATRIX_BEGIN, MATRIX_END]:
+        raise ValueError(
+            f"--into {path}: expected one line '{MATRIX_BEGIN}' followed by one line "
+            f"'{MATRIX_END}', found {marks or 'neither'}; add them where the matrix goes")
+    begin, end = found
+    lines[begin + 1:end] = ["", text, ""]
+    Path(path).write_text("\n".join(lines))
+
+
+def cmd_matrix(paths: Sequence[str], *, markdown: bool, into: str | None = None) -> int:
+    """Print the matrix of the certificates in ``paths`` (default: :data:`DEFAULT_FOLDER`),
+    or, with ``into``, write it as Markdown into that file (:func:`write_into`)."""
+    certified = load(list(paths) or [DEFAULT_FOLDER])
+    if into is None:
+        print(render(certified, markdown=markdown))
+    else:
+        write_into(into, render(certified, markdown=True))
+        print(f"wrote the matrix of {len(certified)} certificates into {into}")
     return 0

@@ -2,15 +2,19 @@
 // an online softmax over blocks of keys in float32, the backward recomputing
 // the probabilities from the saved log-sum-exp.
 //
-// Work items: the forward and dq take (batch, kv head, block of query
-// positions) and hold the rows of every query head of that kv head's group,
-// so a GQA group reads each K/V block once; dk and dv take (batch, kv head,
-// block of keys). A decode call (few query rows per kv head) takes (batch
-// row, split of the keys) with every kv head's rows instead, reading each
-// key's run of heads in address order, and merges the splits in order
-// (decode.cc). Every item writes outputs no other item writes, and its
-// arithmetic never depends on the thread it runs on, so the answer is the
-// same bit for bit at any thread count.
+// Work items: the forward takes (batch, kv head, block of query positions)
+// and holds the rows of every query head of that kv head's group, so a GQA
+// group reads each K/V block once. The backward takes (batch, kv head, chunk
+// of key blocks): each (query tile, key block) pair's probabilities and dS
+// are computed once and give dk and dv of the block (complete: the item holds
+// every query tile) and the chunk's share of dq, kept apart per chunk and
+// summed in chunk order at the end. A decode call (few query rows per kv
+// head) takes (batch row, split of the keys) with every kv head's rows
+// instead, reading each key's run of heads in address order, and merges the
+// splits in order (decode.cc). Every item writes outputs no other item
+// writes, the chunks are a function of the shape, and no arithmetic depends
+// on the thread it runs on, so the answer is the same bit for bit at any
+// thread count.
 //
 // Vectorisation: the dense blocks' products are OpenBLAS sgemm calls on the
 // calling thread, a few rows' scores dot products over the keys in place, the
@@ -124,70 +128,95 @@ void ForwardItem(const Params& p, DType dtype, const void* q, const void* k, con
   ForwardTile(p, dtype, DenseView{p, ItemRows(p, item)}, q, k, v, out, lse);
 }
 
-void DqItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
+// The backward's split of each (batch row, kv head) into chunks of key blocks:
+// chunk c holds blocks c, c + chunks, ... (interleaved, so a causal call's
+// chunks do about the same work). Enough chunks for kBackwardItems items in
+// all, as many as there are blocks at most, and within kPartialBytes of
+// partial dq (one float32 dq per chunk). A function of the shape alone.
+struct KeyChunks {
+  int64_t chunks, blocks, tiles, per, m_max;
+
+  explicit KeyChunks(const Shape& s)
+      : blocks((s.kv_len + kBlockKeys - 1) / kBlockKeys), per(PositionsPerItem(s)),
+        m_max(PositionsPerItem(s) * (s.q_heads / s.kv_heads)) {
+    tiles = (s.q_len + per - 1) / per;
+    const int64_t heads = s.batch * s.kv_heads;
+    const int64_t one = heads * tiles * m_max * s.head_dim * int64_t{sizeof(float)};
+    chunks = std::min<int64_t>(blocks, (kBackwardItems + heads - 1) / heads);
+    chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, kPartialBytes / std::max<int64_t>(one, 1)));
+  }
+  // Floats of one item's partial dq: [tiles][m_max][D].
+  int64_t item_floats(const Shape& s) const { return tiles * m_max * s.head_dim; }
+};
+
+// One (batch row, kv head, chunk): for each of the chunk's key blocks and each
+// query tile that sees it, P and dS once, then dV += P^T dO, dK += dS^T (scaled
+// Q) for the block and dQ += dS K into the chunk's partial dq.
+void BackwardItem(const Params& p, DType dtype, const BackwardArgs& x, const KeyChunks& kc,
+                  float* dq_partial, int64_t item) {
   const Shape& s = p.shape;
-  const Rows rows = ItemRows(p, item);
-  const int64_t m = rows.count(), dims = s.head_dim, vdims = s.v_head_dim;
-  RowTile t;
-  LoadRowTile(p, dtype, x, rows, &t);
-  std::vector<float> dq(m * dims, 0.0f);
+  const int64_t chunk = item % kc.chunks, bg = item / kc.chunks;
+  const int64_t b = bg / s.kv_heads, g = bg % s.kv_heads, group = s.q_heads / s.kv_heads;
+  const int64_t dims = s.head_dim, vdims = s.v_head_dim;
   std::vector<float> k_scratch = Scratch(dtype, kBlockKeys * dims);
   std::vector<float> v_scratch = Scratch(dtype, kBlockKeys * vdims);
   std::vector<const float*> rows_buf(kBlockKeys);
-  std::vector<float> prob(m * kBlockKeys), ds(m * kBlockKeys), tanh_buf(kBlockKeys);
-  const DenseKeys keys{s, rows.b, rows.g};
-  for (int64_t j0 = t.first; j0 < t.last; j0 += kBlockKeys) {
-    const int64_t nk = std::min(kBlockKeys, t.last - j0);
+  std::vector<float> dk(kBlockKeys * dims), dv(kBlockKeys * vdims);
+  std::vector<float> prob(kc.m_max * kBlockKeys), ds(kc.m_max * kBlockKeys);
+  std::vector<float> tanh_buf(kBlockKeys);
+  const DenseKeys keys{s, b, g};
+  RowTile t;
+  for (int64_t kb_index = chunk; kb_index < kc.blocks; kb_index += kc.chunks) {
+    const int64_t j0 = kb_index * kBlockKeys, nk = std::min(kBlockKeys, s.kv_len - j0);
     const Block kb = LoadBlock(dtype, x.k, dims, keys, j0, nk, k_scratch.data(), &rows_buf);
     const Block vb = LoadBlock(dtype, x.v, vdims, keys, j0, nk, v_scratch.data(), &rows_buf);
-    TileGradients(p, t, m, j0, nk, kb, vb, prob.data(), ds.data(), tanh_buf.data());
-    Sgemm(false, false, m, dims, nk, ds.data(), kBlockKeys, kb.rows, kb.ld, 1.0f, dq.data(), dims);
-  }
-  for (int64_t r = 0; r < m; ++r) {
-    StoreRow(dtype, x.dq, QOffset(s, rows.b, rows.position(r), rows.head(r), dims), dims,
-             dq.data() + r * dims, p.scale);
+    std::fill(dk.begin(), dk.end(), 0.0f);
+    std::fill(dv.begin(), dv.end(), 0.0f);
+    for (int64_t tile = 0; tile < kc.tiles; ++tile) {
+      const int64_t i0 = tile * kc.per, positions = std::min(kc.per, s.q_len - i0);
+      bool sees = false;  // does any position of this tile see the block?
+      for (int64_t i = i0; i < i0 + positions && !sees; ++i) {
+        const Range r = Visible(p, b, i);
+        sees = std::max(r.lo, j0) < std::min(r.hi, j0 + nk);
+      }
+      if (!sees) continue;
+      const Rows rows{b, g, i0, positions, group};
+      const int64_t m = rows.count();
+      LoadRowTile(p, dtype, x, rows, &t);
+      TileGradients(p, t, m, j0, nk, kb, vb, prob.data(), ds.data(), tanh_buf.data());
+      // dV += P^T dO, dK += dS^T (scaled Q): the tile's P and dS read transposed.
+      Sgemm(true, false, nk, vdims, m, prob.data(), kBlockKeys, t.dov.data(), vdims, 1.0f,
+            dv.data(), vdims);
+      Sgemm(true, false, nk, dims, m, ds.data(), kBlockKeys, t.qs.data(), dims, 1.0f,
+            dk.data(), dims);
+      Sgemm(false, false, m, dims, nk, ds.data(), kBlockKeys, kb.rows, kb.ld, 1.0f,
+            dq_partial + (item * kc.tiles + tile) * kc.m_max * dims, dims);
+    }
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      const int64_t row = (b * s.kv_len + j0 + jj) * s.kv_heads + g;
+      StoreRow(dtype, x.dk, row * dims, dims, dk.data() + jj * dims, 1.0f);
+      StoreRow(dtype, x.dv, row * vdims, vdims, dv.data() + jj * vdims, 1.0f);
+    }
   }
 }
 
-void DkvItem(const Params& p, DType dtype, const BackwardArgs& x, int64_t item) {
+// dq of one query tile of one (batch row, kv head): its chunks' partials summed
+// in chunk order, times the scale (the partials are against scaled Q's keys).
+void StoreDq(const Params& p, DType dtype, const BackwardArgs& x, const KeyChunks& kc,
+             const float* dq_partial, int64_t index) {
   const Shape& s = p.shape;
-  const int64_t blocks = (s.kv_len + kBlockKeys - 1) / kBlockKeys;
-  const int64_t kb_index = item % blocks, bg = item / blocks;
-  const int64_t b = bg / s.kv_heads, g = bg % s.kv_heads, group = s.q_heads / s.kv_heads;
-  const int64_t j0 = kb_index * kBlockKeys, nk = std::min(kBlockKeys, s.kv_len - j0);
-  const int64_t dims = s.head_dim, vdims = s.v_head_dim, per = PositionsPerItem(s);
-  const int64_t m_max = per * group;
-  std::vector<float> k_scratch = Scratch(dtype, kBlockKeys * dims);
-  std::vector<float> v_scratch = Scratch(dtype, kBlockKeys * vdims);
-  std::vector<const float*> rows_buf(kBlockKeys);
-  std::vector<float> dk(kBlockKeys * dims, 0.0f), dv(kBlockKeys * vdims, 0.0f);
-  std::vector<float> prob(m_max * kBlockKeys), ds(m_max * kBlockKeys), tanh_buf(kBlockKeys);
-  const DenseKeys keys{s, b, g};
-  const Block kb = LoadBlock(dtype, x.k, dims, keys, j0, nk, k_scratch.data(), &rows_buf);
-  const Block vb = LoadBlock(dtype, x.v, vdims, keys, j0, nk, v_scratch.data(), &rows_buf);
-  RowTile t;
-  for (int64_t i0 = 0; i0 < s.q_len; i0 += per) {
-    const int64_t positions = std::min(per, s.q_len - i0);
-    bool sees = false;  // does any position of this tile see the block?
-    for (int64_t i = i0; i < i0 + positions && !sees; ++i) {
-      const Range r = Visible(p, b, i);
-      sees = std::max(r.lo, j0) < std::min(r.hi, j0 + nk);
+  const int64_t tile = index % kc.tiles, bg = index / kc.tiles, dims = s.head_dim;
+  const Rows rows{bg / s.kv_heads, bg % s.kv_heads, tile * kc.per,
+                  std::min(kc.per, s.q_len - tile * kc.per), s.q_heads / s.kv_heads};
+  std::vector<float> sum(dims);
+  for (int64_t r = 0; r < rows.count(); ++r) {
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    for (int64_t c = 0; c < kc.chunks; ++c) {
+      const float* part = dq_partial + ((bg * kc.chunks + c) * kc.tiles + tile) * kc.m_max * dims;
+      for (int64_t d = 0; d < dims; ++d) sum[d] += part[r * dims + d];
     }
-    if (!sees) continue;
-    const Rows rows{b, g, i0, positions, group};
-    const int64_t m = rows.count();
-    LoadRowTile(p, dtype, x, rows, &t);
-    TileGradients(p, t, m, j0, nk, kb, vb, prob.data(), ds.data(), tanh_buf.data());
-    // dV += P^T dO, dK += dS^T (scaled Q): the tiles' P and dS read transposed.
-    Sgemm(true, false, nk, vdims, m, prob.data(), kBlockKeys, t.dov.data(), vdims, 1.0f,
-          dv.data(), vdims);
-    Sgemm(true, false, nk, dims, m, ds.data(), kBlockKeys, t.qs.data(), dims, 1.0f, dk.data(),
-          dims);
-  }
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    const int64_t row = (b * s.kv_len + j0 + jj) * s.kv_heads + g;
-    StoreRow(dtype, x.dk, row * dims, dims, dk.data() + jj * dims, 1.0f);
-    StoreRow(dtype, x.dv, row * vdims, vdims, dv.data() + jj * vdims, 1.0f);
+    StoreRow(dtype, x.dq, QOffset(s, rows.b, rows.position(r), rows.head(r), dims), dims,
+             sum.data(), p.scale);
   }
 }
 
@@ -207,16 +236,15 @@ void Backward(const Params& p, DType dtype, const void* q, const void* k, const 
               void* dq, void* dk, void* dv, const ParallelFor& parallel_for) {
   const Shape& s = p.shape;
   const BackwardArgs x{q, k, v, out, dout, lse, dlse, dq, dk, dv};
-  const int64_t dq_items = QueryItems(s);
-  const int64_t dkv_items = s.batch * s.kv_heads * ((s.kv_len + kBlockKeys - 1) / kBlockKeys);
-  // dq and dk/dv are separate items (each recomputes its probabilities), so no
-  // two items ever add into the same output.
-  parallel_for(dq_items + dkv_items, [&](int64_t item) {
-    if (item < dq_items) {
-      DqItem(p, dtype, x, item);
-    } else {
-      DkvItem(p, dtype, x, item - dq_items);
-    }
+  const KeyChunks kc(s);
+  const int64_t items = s.batch * s.kv_heads * kc.chunks;
+  // Every item's partial dq, zeroed: rows no key block reaches stay 0.
+  std::vector<float> dq_partial(items * kc.item_floats(s), 0.0f);
+  parallel_for(items, [&](int64_t item) {
+    BackwardItem(p, dtype, x, kc, dq_partial.data(), item);
+  });
+  parallel_for(s.batch * s.kv_heads * kc.tiles, [&](int64_t index) {
+    StoreDq(p, dtype, x, kc, dq_partial.data(), index);
   });
 }
 

@@ -40,6 +40,10 @@ namespace {
 #endif
 constexpr int64_t kBlockKeys = ATTN_BK;  // keys per block (scratch rows of K, V, S)
 constexpr int64_t kRowsPerItem = ATTN_ROWS;  // query rows (heads x positions) per item
+// The backward's items in all (when there are key blocks enough), and the most
+// memory its partial dq sums may take (KeyChunks, attention.cc).
+constexpr int64_t kBackwardItems = 16;
+constexpr int64_t kPartialBytes = int64_t{256} << 20;
 #ifndef ATTN_DOT_ROWS
 #define ATTN_DOT_ROWS 8
 #endif

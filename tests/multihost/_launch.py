@@ -126,15 +126,23 @@ def single_process_choice(without: Sequence[str] = ()) -> str:
     return registry.get().explain(q, k, v, causal=True).chosen
 
 
+def choices(results: list[dict]) -> dict[str, str]:
+    """Each call's backend, the same on every process; fails naming each process's
+    choices otherwise."""
+    for r in results:
+        assert r.get("error") is None, f"process {r['process']}: {r['error']}\n{r.get('trace')}"
+    assert all(r["chosen"] == results[0]["chosen"] for r in results), (
+        "processes chose differently: " + "; ".join(
+            f"process {r['process']}: {r['chosen']}" for r in results))
+    return results[0]["chosen"]
+
+
 def one_choice(results: list[dict]) -> str:
     """The one backend every process was served by, for every call; fails naming
     each process's choices otherwise."""
-    for r in results:
-        assert r.get("error") is None, f"process {r['process']}: {r['error']}\n{r.get('trace')}"
-    choices = {name for r in results for name in r["chosen"].values()}
-    assert len(choices) == 1, "processes chose differently: " + "; ".join(
-        f"process {r['process']}: {r['chosen']}" for r in results)
-    return choices.pop()
+    chosen = set(choices(results).values())
+    assert len(chosen) == 1, f"one backend for every call expected, got {choices(results)}"
+    return chosen.pop()
 
 
 def one_error(results: list[dict]) -> str:

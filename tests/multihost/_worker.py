@@ -17,8 +17,9 @@ Scenarios:
   (``worst`` counts the requests not decoded token for token as alone);
 - ``die``: the last process exits before its call; the others wait for it;
 - ``hang``: the last process sleeps instead of calling; the others wait for it;
-- ``quarantined``: process 1's cache holds a failed verdict for xla_native
-  (written by a prober whose runner reports a wrong answer) before its call;
+- ``quarantined``: process 1's cache holds a failed verdict for the backend
+  ``ATTN_TEST_QUARANTINE`` names (written by a prober whose runner reports a
+  wrong answer) before its call;
 - ``local``: the plain call on every process, then process 0 alone makes
   calls of new signatures on its own devices (dense eager, and jitted inside
   ``attn_backends.local_work()``, forward and gradient; paged got inside it)
@@ -337,7 +338,7 @@ def main(process: int, count: int, port: int, scenario: str) -> None:
         if scenario == "hang" and process == count - 1:
             time.sleep(3600)
         if scenario == "quarantined" and process == 1:
-            _quarantine("xla_native")
+            _quarantine(os.environ["ATTN_TEST_QUARANTINE"])
         steps = {"serve": [choose, sharded, ring, paged, train_step, serving],
                  "local": [choose, local]}.get(scenario, [choose])
         for step in steps:

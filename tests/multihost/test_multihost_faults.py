@@ -26,25 +26,27 @@ AGREE = {"ATTN_BACKENDS_AGREE_TIMEOUT_S": str(AGREE_S)}
 def test_a_host_that_allows_only_another_backend_moves_all_to_it(tmp_path):
     results, _ = run(tmp_path, 2, "choose", env=[{}, {"ATTN_BACKENDS_ONLY": "reference"}])
     assert one_choice(results) == "reference"
+    alone = single_process_choice()
     for r in results:  # the same warning on every process: process 0 alone would differ
         assert "AgreementWarning" in r["output"]
-        assert "process 0 (" in r["output"] and "would choose xla_native" in r["output"]
+        assert "process 0 (" in r["output"] and f"would choose {alone}" in r["output"]
     assert "process 1 (" in results[0]["explain"] and "does not have it" in results[0]["explain"]
 
 
 def test_a_host_lacking_the_chosen_plugin_moves_all_to_one_they_share(tmp_path):
-    results, _ = run(tmp_path, 2, "choose", env=[{}, {"ATTN_BACKENDS_DISABLE": "xla_native"}])
+    alone = single_process_choice()
+    results, _ = run(tmp_path, 2, "choose", env=[{}, {"ATTN_BACKENDS_DISABLE": alone}])
     # The next backend in process 0's order, which both processes serve.
-    assert one_choice(results) == single_process_choice(without=["xla_native"])
-    assert single_process_choice() == "xla_native"
+    assert one_choice(results) == single_process_choice(without=[alone]) != alone
     assert "process 1 (" in results[0]["explain"]
     assert "does not have it (not installed" in results[0]["explain"]
 
 
 def test_a_host_whose_cache_quarantines_the_choice_moves_all(tmp_path):
-    results, _ = run(tmp_path, 2, "quarantined")  # process 1 quarantines xla_native
-    assert one_choice(results) == single_process_choice(without=["xla_native"])
-    assert single_process_choice() == "xla_native"
+    alone = single_process_choice()
+    # Process 1's cache quarantines what each process would choose alone.
+    results, _ = run(tmp_path, 2, "quarantined", env=[{}, {"ATTN_TEST_QUARANTINE": alone}])
+    assert one_choice(results) == single_process_choice(without=[alone]) != alone
     assert "planted by the test" in results[0]["explain"]
 
 

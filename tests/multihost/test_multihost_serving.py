@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from multihost._launch import one_choice, run, run_cli, single_process_choice
+from multihost._launch import choices, run, run_cli, single_process_choice
 
 #: Started early under make test's two workers, by its seconds there (tests/conftest.py).
 pytestmark = pytest.mark.slow(seconds=155)
@@ -18,7 +18,9 @@ TOLERANCE = 1e-5
 @pytest.mark.parametrize(("count", "shared"), [(2, False), (4, True)])
 def test_every_process_serves_plain_sharded_ring_and_paged_calls(tmp_path, count, shared):
     results, _ = run(tmp_path, count, "serve", shared_cache=shared)
-    assert one_choice(results) == single_process_choice()
+    # Each call is served by one backend on every process (the flax layer's
+    # mask may send it to another than the plain call's).
+    assert choices(results)["plain"] == single_process_choice()
     for r in results:
         assert set(r["worst"]) == {"plain", "sharded", "ring", "paged", "flax", "serving"}
         assert max(r["worst"].values()) < TOLERANCE, r["worst"]
@@ -26,8 +28,8 @@ def test_every_process_serves_plain_sharded_ring_and_paged_calls(tmp_path, count
 
 def test_the_command_line_lists_explains_and_checks_on_every_process(tmp_path):
     call = ["--device", "cpu", "--q", "2,32,4,16", "--kv", "2,32,4,16", "--causal"]
-    for args, seen in ((["list"], "xla_native"),
-                       (["explain", *call], "hosts: 2 processes agree on xla_native"),
+    agreed = f"hosts: 2 processes agree on {single_process_choice()}"
+    for args, seen in ((["list"], "xla_native"), (["explain", *call], agreed),
                        (["check", "reference", "--quick", "--", "-k", "decode"],
                         "conformance: PASSED")):
         for status, output in run_cli(tmp_path / args[0], 2, args):

@@ -3,8 +3,9 @@
 Run by run.sh with the fresh venv's python. ``jax.nn.dot_product_attention`` is
 the oracle (independent of this repo's code): causal self-attention with GQA,
 where its top-left causal equals the contract's bottom-right one. The call
-must be served by ``xla_native`` (priority 50 on cpu, above reference's 0),
-and its gradient must be finite.
+must be served by ``native_cpu`` in the full install (priority 60 on cpu), by
+``xla_native`` in the ``[xla]`` one (50, above reference's 0), and its gradient
+must be finite.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.float32)
            for i, shape in enumerate([(2, 96, 8, 32), (2, 96, 2, 32), (2, 96, 2, 32)]))
 attention = attn_backends.registry.get(device="cpu")
 explanation = attention.explain(q, k, v, causal=True)
-assert explanation.chosen == "xla_native", (
-    f"expected xla_native to serve the call ({sys.argv[1]} install), got {explanation.chosen}:\n"
-    f"{explanation}"
+expected = "native_cpu" if sys.argv[1] == "full" else "xla_native"
+assert explanation.chosen == expected, (
+    f"expected {expected} to serve the call ({sys.argv[1]} install), got "
+    f"{explanation.chosen}:\n{explanation}"
 )
 out = jax.jit(lambda q, k, v: attention(q, k, v, causal=True))(q, k, v)
 want = jax.nn.dot_product_attention(q, k, v, is_causal=True)

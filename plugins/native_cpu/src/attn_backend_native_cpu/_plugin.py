@@ -48,7 +48,7 @@ class NativeCpuBackend(Backend, PagedBackend):
                             deterministic=True, jax_versions=">=0.10,<0.13")
     # Below xla_native (50): in the same runs (BENCHMARKS.md, "native_cpu") its XLA
     # kernels were faster or level on cpu from S=2048 up; above reference (0).
-    priority = {"cpu": 40}
+    priority = {"cpu": 60}
     hlo_marker = "attn_native_cpu_forward"
     # Any page size and head dim, mixed prefill and decode rows; init_cache, write
     # and the canonical round trip are PagedBackend's canonical-layout defaults.

@@ -134,11 +134,26 @@ constexpr int kLanes = ATTN_VEC_BYTES / 4;
 // registers) leave room for B's two vectors and A's broadcast in 16 registers.
 constexpr int kTileRows = 6;
 
+// kLanes values from p as float32: float32 read as they are, bfloat16 (its
+// bits, uint16_t) widened on the way, so the decode path reads bfloat16 keys
+// and values in place, with no widened copy (measured: plugin README).
 inline Vec LoadVec(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+typedef uint16_t VecH __attribute__((vector_size(ATTN_VEC_BYTES / 2)));
+typedef uint32_t VecU __attribute__((vector_size(ATTN_VEC_BYTES)));
+
+inline Vec LoadVec(const uint16_t* p) {
+  VecH h;
+  std::memcpy(&h, p, sizeof h);
+  return (Vec)(__builtin_convertvector(h, VecU) << 16);
+}
+
+inline float ToF32(float x) { return x; }
+inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
 
 inline void StoreVec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
@@ -150,10 +165,16 @@ struct Strided {
   const float* operator[](int64_t kk) const { return b + kk * ldb; }
 };
 
+template <class T>  // float, or uint16_t for bfloat16
 struct RowList {
-  const float* const* rows;
-  const float* operator[](int64_t kk) const { return rows[kk]; }
+  const T* const* rows;
+  const T* operator[](int64_t kk) const { return rows[kk]; }
 };
+
+template <class T>
+RowList<T> RowListOf(const T* const* rows) {
+  return {rows};
+}
 
 template <int R, class BRows>
 inline void GemmTile(int64_t j, int64_t w, int64_t k, const float* a, int64_t lda,
@@ -166,7 +187,7 @@ inline void GemmTile(int64_t j, int64_t w, int64_t k, const float* a, int64_t ld
       }
     }
     for (int64_t kk = 0; kk < k; ++kk) {
-      const float* bk = b[kk];
+      const auto* bk = b[kk];
       const Vec b0 = LoadVec(bk + j), b1 = LoadVec(bk + j + kLanes);
       for (int r = 0; r < R; ++r) {
         const float ar = a[r * lda + kk];
@@ -186,8 +207,8 @@ inline void GemmTile(int64_t j, int64_t w, int64_t k, const float* a, int64_t ld
     }
     for (int64_t kk = 0; kk < k; ++kk) {
       const float ar = a[r * lda + kk];
-      const float* bk = b[kk];
-      for (int64_t x = j; x < j + w; ++x) cr[x] += ar * bk[x];
+      const auto* bk = b[kk];
+      for (int64_t x = j; x < j + w; ++x) cr[x] += ar * ToF32(bk[x]);
     }
   }
 }
@@ -222,36 +243,73 @@ inline void Gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, c
   Gemm(m, n, k, a, lda, Strided{b, ldb}, c, ldc, accumulate);
 }
 
-// The sum of a vector's lanes, halves added pairwise: a fixed order.
-inline float SumLanes(Vec v) {
-  float t[kLanes];
-  std::memcpy(t, &v, sizeof t);
-  for (int w = kLanes / 2; w > 0; w /= 2) {
-    for (int l = 0; l < w; ++l) t[l] += t[l + w];
-  }
-  return t[0];
+// Pair sums within 128-bit halves: [x0+x1, x2+x3, y0+y1, y2+y3] in each half
+// of the result (x's lanes of that half, then y's): one shuffle per operand.
+#if ATTN_VEC_BYTES == 32
+#define ATTN_EVEN 0, 2, 8, 10, 4, 6, 12, 14
+#define ATTN_ODD 1, 3, 9, 11, 5, 7, 13, 15
+#else
+#define ATTN_EVEN 0, 2, 4, 6
+#define ATTN_ODD 1, 3, 5, 7
+#endif
+#if defined(__clang__)
+#define ATTN_SHUFFLE(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define ATTN_SHUFFLE(x, y, ...) __builtin_shuffle(x, y, VecI{__VA_ARGS__})
+#endif
+typedef int32_t VecI __attribute__((vector_size(ATTN_VEC_BYTES)));
+
+inline Vec PairSums(Vec x, Vec y) {
+  return ATTN_SHUFFLE(x, y, ATTN_EVEN) + ATTN_SHUFFLE(x, y, ATTN_ODD);
 }
+
+// Lane i of the result: the sum of v[i]'s lanes, added in a fixed tree
+// (adjacent lanes, then adjacent pairs, then the two 128-bit halves), for
+// kLanes vectors at once: a transpose by shuffles, not a round trip of each
+// vector through memory (measured: plugin README).
+inline Vec LaneSums(const Vec* v) {
+  Vec p[kLanes / 2], q[kLanes / 4];
+  for (int i = 0; i < kLanes / 2; ++i) p[i] = PairSums(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < kLanes / 4; ++i) q[i] = PairSums(p[2 * i], p[2 * i + 1]);
+#if ATTN_VEC_BYTES == 32
+  return ATTN_SHUFFLE(q[0], q[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         ATTN_SHUFFLE(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+  return q[0];
+#endif
+}
+
+// Keys per dot tile of R rows: R x J accumulators fill one LaneSums (8 on
+// x86-64-v3) and 16 registers.
+constexpr int DotKeys(int rows) { return rows == 1 ? 8 : rows == 2 ? 4 : 2; }
 
 // s[r][jj] = a[r] . keys[jj] for R rows of a (row stride dims) and keys
 // [j, j + J): R x J vector accumulators along the head dim, each key row read
-// once for all R rows; then the lanes, then the last dims % kLanes products.
-template <int R, int J>
-inline void DotTile(int64_t j, int64_t dims, const float* a, const float* const* keys, float* s,
+// once for all R rows; then their lanes (LaneSums), then the last dims %
+// kLanes products.
+template <int R, int J, class T>
+inline void DotTile(int64_t j, int64_t dims, const float* a, const T* const* keys, float* s,
                     int64_t lds) {
+  constexpr int n = R * J;
   const int64_t body = dims - dims % kLanes;
-  Vec acc[R][J] = {};
+  Vec acc[n];
+  for (int i = 0; i < n; ++i) acc[i] = Vec{};
   for (int64_t d = 0; d < body; d += kLanes) {
     Vec x[J];
     for (int h = 0; h < J; ++h) x[h] = LoadVec(keys[j + h] + d);
     for (int r = 0; r < R; ++r) {
       const Vec ar = LoadVec(a + r * dims + d);
-      for (int h = 0; h < J; ++h) acc[r][h] += ar * x[h];
+      for (int h = 0; h < J; ++h) acc[r * J + h] += ar * x[h];
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int h = 0; h < J; ++h) {
-      float dot = SumLanes(acc[r][h]);
-      for (int64_t d = body; d < dims; ++d) dot += a[r * dims + d] * keys[j + h][d];
+  for (int i0 = 0; i0 < n; i0 += kLanes) {
+    Vec group[kLanes];
+    for (int i = 0; i < kLanes; ++i) group[i] = i0 + i < n ? acc[i0 + i] : Vec{};
+    const Vec sums = LaneSums(group);
+    for (int i = 0; i < kLanes && i0 + i < n; ++i) {
+      const int r = (i0 + i) / J, h = (i0 + i) % J;
+      float dot = sums[i];
+      for (int64_t d = body; d < dims; ++d) dot += a[r * dims + d] * ToF32(keys[j + h][d]);
       s[r * lds + j + h] = dot;
     }
   }
@@ -295,39 +353,42 @@ class Prefetcher {
   size_t row_ = 0;
 };
 
-template <int R>
-inline void DotRows(int64_t nk, int64_t dims, const float* a, const float* const* keys, float* s,
-                    int64_t lds, Prefetcher* ahead, int64_t per_pair) {
+template <int R, class T>
+inline void DotRows(int64_t nk, int64_t dims, const float* a, const T* const* keys, float* s,
+                    int64_t lds, Prefetcher* ahead, int64_t per_tile) {
+  constexpr int J = DotKeys(R);
   int64_t j = 0;
-  for (; j + 2 <= nk; j += 2) {
-    if (ahead != nullptr) ahead->Step(per_pair);
-    DotTile<R, 2>(j, dims, a, keys, s, lds);
+  for (; j + J <= nk; j += J) {
+    if (ahead != nullptr) ahead->Step(per_tile);
+    DotTile<R, J>(j, dims, a, keys, s, lds);
   }
-  if (j < nk) DotTile<R, 1>(j, dims, a, keys, s, lds);
+  for (; j < nk; ++j) DotTile<R, 1>(j, dims, a, keys, s, lds);
 }
 
 // Scores s[r][jj] = a[r] . keys[jj], r < m, jj < nk, reading the keys where
-// they lie: for the few rows of a decode step, where transposing a key block
-// for the GEMM costs more than the products it feeds. `ahead` (or null) gets
-// `lines` more prefetches issued, spread over the key pairs.
-inline void DotScores(int64_t m, int64_t nk, int64_t dims, const float* a,
-                      const float* const* keys, float* s, int64_t lds, Prefetcher* ahead,
-                      int64_t lines) {
-  const int64_t passes = (m + 3) / 4 * std::max<int64_t>(1, nk / 2);
-  const int64_t per_pair = (lines + passes - 1) / passes;
+// they lie (T: float, or uint16_t for bfloat16): for the few rows of a decode
+// step, where transposing a key block for the GEMM costs more than the
+// products it feeds. `ahead` (or null) gets `lines` more prefetches issued,
+// spread over the tiles.
+template <class T>
+void DotScores(int64_t m, int64_t nk, int64_t dims, const float* a, const T* const* keys,
+               float* s, int64_t lds, Prefetcher* ahead, int64_t lines) {
+  int64_t tiles = 0;  // the tiles that issue prefetches, as DotRows makes them
+  for (int64_t r = 0; r < m; r += 4) {
+    tiles += nk / DotKeys(static_cast<int>(std::min<int64_t>(4, m - r)));
+  }
+  const int64_t per_tile = (lines + std::max<int64_t>(1, tiles) - 1) / std::max<int64_t>(1, tiles);
   for (int64_t r = 0; r < m; r += 4) {
     const float* ar = a + r * dims;
     float* sr = s + r * lds;
     switch (std::min<int64_t>(4, m - r)) {
-      case 4: DotRows<4>(nk, dims, ar, keys, sr, lds, ahead, per_pair); break;
-      case 3: DotRows<3>(nk, dims, ar, keys, sr, lds, ahead, per_pair); break;
-      case 2: DotRows<2>(nk, dims, ar, keys, sr, lds, ahead, per_pair); break;
-      default: DotRows<1>(nk, dims, ar, keys, sr, lds, ahead, per_pair); break;
+      case 4: DotRows<4>(nk, dims, ar, keys, sr, lds, ahead, per_tile); break;
+      case 3: DotRows<3>(nk, dims, ar, keys, sr, lds, ahead, per_tile); break;
+      case 2: DotRows<2>(nk, dims, ar, keys, sr, lds, ahead, per_tile); break;
+      default: DotRows<1>(nk, dims, ar, keys, sr, lds, ahead, per_tile); break;
     }
   }
 }
-
-typedef int32_t VecI __attribute__((vector_size(ATTN_VEC_BYTES)));
 
 inline Vec Splat(float f) { return Vec{} + f; }
 

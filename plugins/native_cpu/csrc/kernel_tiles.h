@@ -47,19 +47,25 @@ struct DenseKeys {
   }
 };
 
+// Pointers rows[jj] to the rows of K (or V) block [j0, j0 + nk) where they
+// lie, T the element (float, or uint16_t for bfloat16's bits).
+template <class T, class Keys>
+void RowsInPlace(const void* src, int64_t width, const Keys& keys, int64_t j0, int64_t nk,
+                 const T** rows) {
+  keys.Each(j0, nk, width,
+            [&](int64_t jj, int64_t at) { rows[jj] = static_cast<const T*>(src) + at; });
+}
+
 // K (or V) block [j0, j0 + nk) as float32 row pointers `rows[jj]`, the rows
 // found by `keys` (DenseKeys, PagedKeys): float32 rows are read where they are
 // (no copy), bfloat16 ones widened into `scratch` [nk][width].
 template <class Keys>
 void KeyRows(DType dtype, const void* src, int64_t width, const Keys& keys, int64_t j0,
              int64_t nk, float* scratch, const float** rows) {
+  if (dtype == DType::kF32) return RowsInPlace(src, width, keys, j0, nk, rows);
   keys.Each(j0, nk, width, [&](int64_t jj, int64_t at) {
-    if (dtype == DType::kF32) {
-      rows[jj] = static_cast<const float*>(src) + at;
-    } else {
-      LoadRow(dtype, src, at, width, scratch + jj * width);
-      rows[jj] = scratch + jj * width;
-    }
+    LoadRow(dtype, src, at, width, scratch + jj * width);
+    rows[jj] = scratch + jj * width;
   });
 }
 
@@ -120,6 +126,15 @@ inline int64_t QOffset(const Shape& s, int64_t b, int64_t i, int64_t h, int64_t 
 struct DenseView {
   const Params& p;
   Rows rows;
+  // K transposed, [batch][kv head][head_dim][kv_len] float32 (KeyColumns), or
+  // null: the scores then read K's rows in place.
+  const float* k_columns = nullptr;
+  const float* key_columns() const {
+    if (k_columns == nullptr) return nullptr;
+    const Shape& s = p.shape;
+    return k_columns + (rows.b * s.kv_heads + rows.g) * s.head_dim * s.kv_len;
+  }
+  int64_t key_columns_stride() const { return p.shape.kv_len; }
   int64_t count() const { return rows.count(); }
   int64_t q_offset(int64_t r, int64_t width) const {
     return QOffset(p.shape, rows.b, rows.position(r), rows.head(r), width);
@@ -143,6 +158,7 @@ struct TileState {
   bool dot;  // scores by DotScores (few rows), else by the GEMM on transposed keys
   std::vector<float> qs, acc, row_max, row_sum, kt, sc, scratch;
   std::vector<const float*> krows, vrows;
+  std::vector<const uint16_t*> hrows;  // a dot tile's bfloat16 rows, read in place
   std::vector<Range> range;
   int64_t first = std::numeric_limits<int64_t>::max(), last = 0;  // the rows' visible keys
 
@@ -151,10 +167,10 @@ struct TileState {
         vdims(params.shape.v_head_dim), dot(m <= kDotRows), qs(m * dims), acc(m * vdims, 0.0f),
         row_max(m, kNegInf), row_sum(m, 0.0f), kt(dot ? 0 : dims * kBlockKeys),
         sc(m * kBlockKeys),
-        // One widening scratch for bfloat16 K then V: K's rows are done with
-        // once the scores are.
-        scratch(Scratch(type, kBlockKeys * std::max(dims, vdims))), krows(kBlockKeys),
-        vrows(kBlockKeys), range(m) {
+        // One widening scratch for a GEMM tile's bfloat16 K then V: K's rows
+        // are done with once the scores are. Dot tiles widen as they read.
+        scratch(Scratch(type, dot ? 0 : kBlockKeys * std::max(dims, vdims))), krows(kBlockKeys),
+        vrows(kBlockKeys), hrows(dot && type != DType::kF32 ? kBlockKeys : 0), range(m) {
     for (int64_t r = 0; r < m; ++r) {
       range[r] = view.range(r);
       if (range[r].lo < range[r].hi) {
@@ -171,10 +187,15 @@ struct TileState {
   void AddBlock(const void* k, const void* v, int64_t j0, int64_t nk, Prefetcher* ahead,
                 int64_t lines) {
     const auto keys = view.keys();
-    KeyRows(dtype, k, dims, keys, j0, nk, scratch.data(), krows.data());
     if (dot) {
-      DotScores(m, nk, dims, qs.data(), krows.data(), sc.data(), kBlockKeys, ahead, lines);
+      InPlace(k, dims, j0, nk, [&](auto rows) {
+        DotScores(m, nk, dims, qs.data(), rows, sc.data(), kBlockKeys, ahead, lines);
+      });
+    } else if (const float* cols = view.key_columns()) {  // S = Q K^T, K^T stored: no packing
+      Sgemm(false, false, m, nk, dims, qs.data(), dims, cols + j0, view.key_columns_stride(), 0.0f,
+            sc.data(), kBlockKeys);
     } else {
+      KeyRows(dtype, k, dims, keys, j0, nk, scratch.data(), krows.data());
       const int64_t k_stride = UniformStride(krows.data(), nk, dims);
       if (k_stride > 0) {  // OpenBLAS: S = Q K^T, K's rows where they are
         Sgemm(false, true, m, nk, dims, qs.data(), dims, krows[0], k_stride, 0.0f, sc.data(),
@@ -203,13 +224,32 @@ struct TileState {
       float* o = acc.data() + r * vdims;
       for (int64_t d = 0; d < vdims; ++d) o[d] *= alpha;
     }
+    if (dot) {
+      InPlace(v, vdims, j0, nk, [&](auto rows) {
+        Gemm(m, vdims, nk, sc.data(), kBlockKeys, RowListOf(rows), acc.data(), vdims, true);
+      });
+      return;
+    }
     KeyRows(dtype, v, vdims, keys, j0, nk, scratch.data(), vrows.data());
-    const int64_t v_stride = dot ? 0 : UniformStride(vrows.data(), nk, vdims);
+    const int64_t v_stride = UniformStride(vrows.data(), nk, vdims);
     if (v_stride > 0) {  // OpenBLAS: acc += P V
       Sgemm(false, false, m, vdims, nk, sc.data(), kBlockKeys, vrows[0], v_stride, 1.0f,
             acc.data(), vdims);
     } else {
-      Gemm(m, vdims, nk, sc.data(), kBlockKeys, RowList{vrows.data()}, acc.data(), vdims, true);
+      Gemm(m, vdims, nk, sc.data(), kBlockKeys, RowListOf(vrows.data()), acc.data(), vdims, true);
+    }
+  }
+
+  // f(rows): the rows of K or V block [j0, j0 + nk) where they lie, float32 or
+  // bfloat16 (uint16_t) by the call's dtype.
+  template <class F>
+  void InPlace(const void* src, int64_t width, int64_t j0, int64_t nk, const F& f) {
+    if (dtype == DType::kF32) {
+      RowsInPlace(src, width, view.keys(), j0, nk, krows.data());
+      f(krows.data());
+    } else {
+      RowsInPlace(src, width, view.keys(), j0, nk, hrows.data());
+      f(hrows.data());
     }
   }
 };
@@ -283,6 +323,8 @@ struct PagedView {
     return {lo, hi};
   }
   PagedKeys keys() const { return {a, seq, g, p.shape.kv_heads}; }
+  const float* key_columns() const { return nullptr; }
+  int64_t key_columns_stride() const { return 0; }
 };
 
 // Calls with few query rows per kv head (group x positions <= kDotRows) take

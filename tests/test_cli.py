@@ -30,6 +30,27 @@ def test_list_table_and_json(capsys):
     assert data["problems"] == []
 
 
+def test_the_librarys_warnings_are_one_line_each_others_keep_pythons_way(capsys, monkeypatch):
+    import warnings
+
+    from attn_backends import PluginWarning
+    from attn_backends.cli import main as cli_main
+
+    def warn_then_list(args):
+        warnings.warn("backend 'x' supports jax <0.1: it will not be selected", PluginWarning,
+                      stacklevel=1)
+        warnings.warn("not ours", UserWarning, stacklevel=1)
+        return 0
+
+    monkeypatch.setattr(cli_main, "cmd_list", warn_then_list)
+    with pytest.warns(UserWarning, match="not ours") as seen:  # Python's machinery, untouched
+        assert main(["list"]) == 0
+    assert [str(w.message) for w in seen] == ["not ours"]
+    assert capsys.readouterr().err.splitlines() == [
+        "attn-backends: PluginWarning: backend 'x' supports jax <0.1: it will not be selected"]
+    assert warnings.showwarning is not cli_main._show_warning  # restored on the way out
+
+
 def test_explain_prints_every_verdict(capsys):
     argv = ["explain", "--device", "cpu", "--q", "2,128,8,64", "--kv", "2,256,2,64",
             "--dtype", "bfloat16", "--causal", "--window", "32,", "--segment-ids", "--kv-lengths",

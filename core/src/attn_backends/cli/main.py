@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from ..contract.capabilities import DTYPES
-from ..contract.errors import AttnBackendsError
+from ..contract.errors import AttnBackendsError, AttnBackendsWarning
 from . import report as _report
 from .call_flags import add_call_flags, call_arguments, ints, margin, positive, seq_lengths
 from .matrix import MATRIX_BEGIN, MATRIX_END
@@ -432,7 +433,28 @@ def _join(spec: str) -> None:
                                process_id=int(parts[2]))
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str,
+                  lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+    """The library's own warnings as one line on stderr, ``attn-backends:
+    PluginWarning: ...``: a person at the command reads what was refused and
+    why, not the line of the console script that happened to run. Other
+    warnings keep Python's format."""
+    if issubclass(category, AttnBackendsWarning):
+        print(f"attn-backends: {category.__name__}: {message}", file=file or sys.stderr)
+        return
+    _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Split at "--" here: argparse cannot take `check NAME --quick -- -k x`
     # (options between the name and the extra positionals).

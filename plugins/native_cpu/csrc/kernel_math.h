@@ -15,6 +15,9 @@
 #include <vector>
 
 #include <cblas.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "attention.h"
 
@@ -147,9 +150,17 @@ typedef uint16_t VecH __attribute__((vector_size(ATTN_VEC_BYTES / 2)));
 typedef uint32_t VecU __attribute__((vector_size(ATTN_VEC_BYTES)));
 
 inline Vec LoadVec(const uint16_t* p) {
+#if defined(__AVX2__) && ATTN_VEC_BYTES == 32
+  // One vpmovzxwd from memory and a shift: GCC 12 compiles the generic
+  // conversion below into six instructions, more than the products they
+  // feed on a bfloat16 decode step (7-8% of its time, plugin README).
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (Vec)_mm256_slli_epi32(wide, 16);
+#else
   VecH h;
   std::memcpy(&h, p, sizeof h);
   return (Vec)(__builtin_convertvector(h, VecU) << 16);
+#endif
 }
 
 inline float ToF32(float x) { return x; }

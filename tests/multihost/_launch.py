@@ -140,8 +140,9 @@ def choices(results: list[dict]) -> dict[str, str]:
 def one_choice(results: list[dict]) -> str:
     """The one backend every process was served by, for every call; fails naming
     each process's choices otherwise."""
-    chosen = set(choices(results).values())
-    assert len(chosen) == 1, f"one backend for every call expected, got {choices(results)}"
+    by_call = choices(results)
+    chosen = set(by_call.values())
+    assert len(chosen) == 1, f"one backend for every call expected, got {by_call}"
     return chosen.pop()
 
 

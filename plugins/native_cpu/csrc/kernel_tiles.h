@@ -129,12 +129,12 @@ struct DenseView {
   // K transposed, [batch][kv head][head_dim][kv_len] float32 (KeyColumns), or
   // null: the scores then read K's rows in place.
   const float* k_columns = nullptr;
+  // This item's kv head of k_columns, [head_dim][kv_len], or null.
   const float* key_columns() const {
     if (k_columns == nullptr) return nullptr;
     const Shape& s = p.shape;
     return k_columns + (rows.b * s.kv_heads + rows.g) * s.head_dim * s.kv_len;
   }
-  int64_t key_columns_stride() const { return p.shape.kv_len; }
   int64_t count() const { return rows.count(); }
   int64_t q_offset(int64_t r, int64_t width) const {
     return QOffset(p.shape, rows.b, rows.position(r), rows.head(r), width);
@@ -165,7 +165,8 @@ struct TileState {
   TileState(const Params& params, DType type, const View& v, const void* q)
       : p(params), dtype(type), view(v), m(v.count()), dims(params.shape.head_dim),
         vdims(params.shape.v_head_dim), dot(m <= kDotRows), qs(m * dims), acc(m * vdims, 0.0f),
-        row_max(m, kNegInf), row_sum(m, 0.0f), kt(dot ? 0 : dims * kBlockKeys),
+        row_max(m, kNegInf), row_sum(m, 0.0f),
+        kt(dot || v.key_columns() != nullptr ? 0 : dims * kBlockKeys),
         sc(m * kBlockKeys),
         // One widening scratch for a GEMM tile's bfloat16 K then V: K's rows
         // are done with once the scores are. Dot tiles widen as they read.
@@ -192,7 +193,7 @@ struct TileState {
         DotScores(m, nk, dims, qs.data(), rows, sc.data(), kBlockKeys, ahead, lines);
       });
     } else if (const float* cols = view.key_columns()) {  // S = Q K^T, K^T stored: no packing
-      Sgemm(false, false, m, nk, dims, qs.data(), dims, cols + j0, view.key_columns_stride(), 0.0f,
+      Sgemm(false, false, m, nk, dims, qs.data(), dims, cols + j0, p.shape.kv_len, 0.0f,
             sc.data(), kBlockKeys);
     } else {
       KeyRows(dtype, k, dims, keys, j0, nk, scratch.data(), krows.data());
@@ -323,8 +324,7 @@ struct PagedView {
     return {lo, hi};
   }
   PagedKeys keys() const { return {a, seq, g, p.shape.kv_heads}; }
-  const float* key_columns() const { return nullptr; }
-  int64_t key_columns_stride() const { return 0; }
+  const float* key_columns() const { return nullptr; }  // pages are read in place
 };
 
 // Calls with few query rows per kv head (group x positions <= kDotRows) take

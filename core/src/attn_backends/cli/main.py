@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from ..contract.capabilities import DTYPES
@@ -433,24 +433,26 @@ def _join(spec: str) -> None:
                                process_id=int(parts[2]))
 
 
-def _show_warning(message: Warning | str, category: type[Warning], filename: str,
-                  lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
-    """The library's own warnings as one line on stderr, ``attn-backends:
-    PluginWarning: ...``: a person at the command reads what was refused and
-    why, not the line of the console script that happened to run. Other
-    warnings keep Python's format."""
-    if issubclass(category, AttnBackendsWarning):
-        print(f"attn-backends: {category.__name__}: {message}", file=file or sys.stderr)
-        return
-    _python_show_warning(message, category, filename, lineno, file, line)
+def _one_line_warnings(other: Callable[..., None]) -> Callable[..., None]:
+    """A ``warnings.showwarning`` printing the library's own warnings as one
+    line on stderr, ``attn-backends: PluginWarning: ...`` (a person at the
+    command reads what was refused and why, not the line of the console script
+    that happened to run), and handing every other warning to ``other``, the
+    one in place when the command started."""
 
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        if issubclass(category, AttnBackendsWarning):
+            print(f"attn-backends: {category.__name__}: {message}", file=file or sys.stderr)
+            return
+        other(message, category, filename, lineno, file, line)
 
-_python_show_warning = warnings.showwarning
+    return show
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
-        warnings.showwarning = _show_warning
+        warnings.showwarning = _one_line_warnings(warnings.showwarning)
         return _main(argv)
 
 

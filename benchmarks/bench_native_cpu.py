@@ -12,7 +12,8 @@ the same process in alternating blocks (bench_xla_native.in_rounds), best
 times. Decode: bench_decode.py's case (B=8, Hq=32, Hkv=8, D=128, Tq=1,
 kv_lengths in [Tk/2, Tk]) for native_cpu beside xla_native, torch and the
 jnp.sum bandwidth probe, medians; each contender's share of the bandwidth is
-t_sum / t. Paged decode: bench_paged.py's full shape, native_cpu's and
+counted on the bytes a step needs (the keys below each kv_length, 76% of
+the cache in this case) over the probe's on the whole cache. Paged decode: bench_paged.py's full shape, native_cpu's and
 xla_native's paged calls, checked against each other, beside jnp.sum over
 the pool (bandwidth on the live tokens' bytes, as bench_paged.py counts it).
 On jaxlib < 0.12 xla_native's decode path is off and its decode column times
@@ -83,16 +84,21 @@ def native_decode_run(q: Any, k: Any, v: Any, lengths: Any) -> Any:
     return lambda: jax.block_until_ready(g(q, k, v, lengths))
 
 
-def _share(med: dict[str, float], name: str) -> str:
-    """``ms (share of the sum's bandwidth)`` of one contender, or - when absent."""
+def _share(med: dict[str, float], name: str, live: float) -> str:
+    """``ms (share of the sum's bandwidth)`` of one contender, or - when absent.
+
+    ``live``: the fraction of the cache's bytes a step needs (the keys below
+    each row's kv_length): a contender reading only those moves live x the
+    probe's bytes, so its bandwidth is live x (probe bytes) / t."""
     if name not in med:
         return "-"
-    return f"{med[name] * 1e3:.2f} ({med['sum'] / med[name] * 100:.0f}%)"
+    return f"{med[name] * 1e3:.2f} ({live * med['sum'] / med[name] * 100:.0f}%)"
 
 
 def decode_table(args: argparse.Namespace) -> None:
     print("\nDecode: B=8, Hq=32, Hkv=8, D=128, Tq=1, causal, kv_lengths in [Tk/2, Tk]; "
-          "medians; % = share of the jnp.sum bandwidth (t_sum / t)")
+          "medians; % = bandwidth on the live keys' K and V (below each kv_length) over "
+          "the jnp.sum's on the whole cache")
     print("\n| dtype | Tk | jnp.sum ms (GB/s) | native_cpu ms (%) | xla_native ms (%) "
           "| torch ms (%) | native / torch |")
     print("|---|---|---|---|---|---|---|")
@@ -106,10 +112,12 @@ def decode_table(args: argparse.Namespace) -> None:
         med = {n: statistics.median(t)
                for n, t in decode_rounds(runs, args.reps, args.rounds).items()}
         gbs = 2 * k.size * k.dtype.itemsize / med["sum"] / 1e9
+        live = float(np.asarray(lengths).sum()) / (k.shape[0] * k.shape[1])
 
         vs_torch = f"{med['native'] / med['torch']:.2f}x" if "torch" in med else "-"
         print(f"| {dtype} | {args.tk} | {med['sum'] * 1e3:.2f} ({gbs:.1f}) "
-              f"| {_share(med, 'native')} | {_share(med, 'xla')} | {_share(med, 'torch')} "
+              f"| {_share(med, 'native', live)} | {_share(med, 'xla', live)} "
+              f"| {_share(med, 'torch', live)} "
               f"| {vs_torch} |", flush=True)
 
 

@@ -13,9 +13,10 @@ times. Decode: bench_decode.py's case (B=8, Hq=32, Hkv=8, D=128, Tq=1,
 kv_lengths in [Tk/2, Tk]) for native_cpu beside xla_native, torch and the
 jnp.sum bandwidth probe, medians; each contender's share of the bandwidth is
 counted on the bytes a step needs (the keys below each kv_length, 76% of
-the cache in this case) over the probe's on the whole cache. Paged decode: bench_paged.py's full shape, native_cpu's and
-xla_native's paged calls, checked against each other, beside jnp.sum over
-the pool (bandwidth on the live tokens' bytes, as bench_paged.py counts it).
+the cache in this case) over the probe's on the whole cache. Paged decode:
+bench_paged.py's full shape, native_cpu's and xla_native's paged calls,
+checked against each other, beside jnp.sum over the pool (bandwidth on the
+live tokens' bytes, as bench_paged.py counts it).
 On jaxlib < 0.12 xla_native's decode path is off and its decode column times
 its blockwise kernel (see bench_decode.py).
 

@@ -326,10 +326,11 @@ inline void DotTile(int64_t j, int64_t dims, const float* a, const T* const* key
   }
 }
 
-// Software prefetch of the keys a decode pass reads next, spread over the
-// passes before it: a decode step does a few products per key byte, too few
-// to hide the memory's latency, and the hardware's prefetchers stop at every
-// 4 KiB page. Lines [0, lines) from `rows` of `row_bytes` each.
+// Software prefetch of the K and V rows a decode pass reads next, spread over
+// the passes before it: a decode step does a few products per key byte, too
+// few to hide the memory's latency, and the hardware's prefetchers stop at
+// every 4 KiB page. Issues, in order, the 64-byte lines of the rows given to
+// Add (each row's bytes rounded up to lines).
 // Into the outer caches (locality 1: prefetcht2), not L1: a block is larger
 // than L1 and its lines would only be evicted there before their turn
 // (measured against prefetcht0: plugin README).
@@ -348,9 +349,8 @@ class Prefetcher {
   int64_t Lines() const { return lines_; }
   // Issues the next `count` lines (none once all are issued).
   void Step(int64_t count) {
-    // The position in locals (kept in the members, each prefetch waited on
-    // the store of the one before: perf put a third of the dot products'
-    // samples there), and each row's lines in a loop of their own.
+    // The position stays in locals while prefetching, so that no prefetch
+    // waits on the store of the one before (plugin README, "Decode").
     const Row* rows = rows_.data();
     const size_t n = rows_.size();
     size_t row = row_;

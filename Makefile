@@ -66,7 +66,7 @@ CERTIFY_COMPAT := $(addprefix certify-compat-,$(COMPAT_BACKENDS))
 INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1
 INTERPRET_flash_triton := ATTN_BACKENDS_TRITON_INTERPRET=1
 INTERPRET_tokamax_mosaic_tpu := ATTN_BACKENDS_PALLAS_INTERPRET=1
-test-main pytest-main pytest-compat test-gpu multidevice $(CERTIFY_MAIN) $(CERTIFY_COMPAT) \
+test-main pytest-main pytest-compat test-gpu multidevice multidevice-compat $(CERTIFY_MAIN) $(CERTIFY_COMPAT) \
 	sanitize-native_cpu: export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
 # The tests and certifications on cpu check behaviour and numbers, never speed,
 # and compiling their programs is most of their time: they compile with LLVM's
@@ -77,7 +77,8 @@ test-main pytest-main pytest-compat test-gpu multidevice $(CERTIFY_MAIN) $(CERTI
 # `attn-backends check`, make test-gpu and the benchmarks compile with XLA's
 # defaults.
 TEST_XLA_FLAGS := --xla_backend_optimization_level=0
-pytest-main pytest-compat multidevice $(CERTIFY_MAIN) $(CERTIFY_COMPAT) sanitize-native_cpu: \
+pytest-main pytest-compat multidevice multidevice-compat $(CERTIFY_MAIN) $(CERTIFY_COMPAT) \
+	sanitize-native_cpu: \
 	export XLA_FLAGS += $(TEST_XLA_FLAGS)
 
 CHECK = $(VENV)/bin/attn-backends check
@@ -139,11 +140,12 @@ test:
 # tests); the compatibility pytest alone (its multi-process fault cases time
 # out when other jobs share the two cores: one pool over every stage failed
 # that way); the jax 0.10 certifications beside the wheel installs (mostly
-# downloads), the longest first; last, failed or not, the compatibility matrix
+# downloads), the longest first, and the older line's sharded-call matrix; last, failed or not, the compatibility matrix
 # of every certificate written (a second: it reads JSON).
 test-stages: lint test-main pytest-compat
 	$(MAKE_2) certify-compat-flash_pallas wheels-full certify-compat-tokamax_xla_chunked \
-		certify-compat-ejkernel_xla certify-compat-xla_native wheels-xla $(CERTIFY_COMPAT); \
+		certify-compat-ejkernel_xla certify-compat-xla_native wheels-xla multidevice-compat \
+		$(CERTIFY_COMPAT); \
 		status=$$?; $(MAKE) matrix && exit $$status
 
 # Library x backend x contract family, from the certificates in $(CERTS).
@@ -194,7 +196,7 @@ wheels-xla: wheels-ready
 PYTEST_2 := -n 2 --dist loadfile --no-loadscope-reorder
 MAKE_2 := $(MAKE) -j2 --output-sync=target
 
-.PHONY: multidevice wheels-ready wheels-full wheels-xla pytest-main pytest-compat $(CERTIFY_MAIN) \
+.PHONY: multidevice multidevice-compat wheels-ready wheels-full wheels-xla pytest-main pytest-compat $(CERTIFY_MAIN) \
 	$(CERTIFY_COMPAT) sanitize-native_cpu
 
 # The longest jobs first (make -j2 starts them in this order).
@@ -215,6 +217,11 @@ pytest-main: install
 
 multidevice: install
 	$(TIMED) $@ -- $(PY) -m pytest tests/multidevice
+
+# The sharded calls as users write them (no mesh context, inside their own
+# shard_map) on the older line too: jax 0.10 has every API the matrix uses.
+multidevice-compat: install-compat
+	$(TIMED) $@ -- $(PY_COMPAT) -m pytest tests/multidevice/test_multidevice_anywhere.py
 
 # native_cpu's library rebuilt with sanitizers (plugins/native_cpu/sanitizers/run.sh):
 # the suite's quick table (every family) under AddressSanitizer + UBSan, and

@@ -7,12 +7,11 @@ Public surface only; the implementation lives in the layer packages (``contract`
 from ._wiring import Registry, registry
 from .choose.attention import Attention
 from .choose.discovery import LoadProblem, Origin
-from .choose.local import local_work
 from .choose.select import Explanation, Verdict, select
 from .contract.backend import ENTRY_POINT_GROUP, Backend, hookimpl
 from .contract.call import API_VERSION, FEATURES, AttentionCall, Operands, bind
 from .contract.capabilities import CLAIMABLE_DTYPES, DTYPES, PLATFORMS, Capabilities, HeadDims
-from .contract.environment import env_flag, platform_name
+from .contract.environment import env_flag, local_work, platform_name
 from .contract.errors import (
     AgreementError,
     AgreementWarning,

@@ -23,7 +23,7 @@ import jax
 
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, Operands, bind
-from ..contract.environment import process_count
+from ..contract.environment import process_count, sharding_of
 from ..contract.errors import (
     AgreementError,
     FallbackWarning,
@@ -34,7 +34,6 @@ from ..contract.errors import (
 )
 from .discovery import Origin
 from .dispatch import Served, by_pass, empty_result, unavailable_message
-from .local import is_local, sharding_of
 from .select import LOCAL_WORK, Agree, Explanation, Measured, Probe, Tuning, select
 
 #: Distinct call signatures one Attention remembers; older ones are evicted.
@@ -457,6 +456,8 @@ class Attention:
         where nothing is agreed."""
         if process_count() == 1:
             return False
+        from .local import is_local  # multi-process runs only: not loaded before
+
         arrays = {"q": q, "k": k, "v": v,
                   **{name: x for name, x in operands._asdict().items() if x is not None}}
         meshes = [] if mesh is None else [(mesh, "the mesh it is laid out on")]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, Operands
-from ..contract.environment import lowering_names, platform_name, visible_platforms
+from ..contract.environment import lowering_names, platform_name, vary_like, visible_platforms
 from ..contract.errors import PlatformUnavailableError, UnsupportedError
 
 
@@ -85,13 +85,19 @@ def on_platforms(
 
     Lowering for a platform without a branch raises PlatformUnavailableError.
     ``placeholder(*args)`` returns arrays typed as every branch's result (it
-    is traced, never run).
+    is traced, never run). Inside a user's ``shard_map`` it varies over the
+    manual axes ``args`` vary over (:func:`vary_like`), as a backend's result
+    does and ``platform_dependent`` requires of its branches. A backend's own
+    result is never cast: one typed invariant though made from varying inputs
+    would have its cotangent summed over the devices (the cast's transpose), so
+    JAX's refusal of the mismatch is the right answer.
     """
     selected = tuple(sorted(branches))
 
     def unavailable(*args: Any) -> Any:
         unavailable_p = _unavailable()
-        return jax.tree.map(lambda x: unavailable_p.bind(x, selected=selected), placeholder(*args))
+        return jax.tree.map(lambda x: unavailable_p.bind(x, selected=selected),
+                            vary_like(placeholder(*args), args))
 
     by_lowering = {name: fn for p, fn in branches.items() for name in lowering_names(p)}
     return jax.lax.platform_dependent(*args, default=unavailable, **by_lowering)

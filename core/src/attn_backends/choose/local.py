@@ -8,7 +8,9 @@ selected here alone, as on one host (docs/MANY_CHIPS.md, "Local work"):
 - eager, every operand concrete (or a value under ``jax.grad`` without ``jit``)
   and fully addressable by this process: local, found out, nothing to mark;
 - traced (``jax.jit``), where a tracer does not say where it will run: agreed,
-  unless made inside :func:`local_work`;
+  unless made inside ``local_work()`` (contract/environment.py, which makes its
+  context at import: JAX's ``make_user_context`` must not run beside other JAX
+  calls; this module loads on a multi-process run's first call);
 - a call JAX knows spans processes (an operand on another process's devices, a
   mesh in context or laid out on that holds them, or more devices than this
   process has): agreed, and refused when marked local.
@@ -16,46 +18,13 @@ selected here alone, as on one host (docs/MANY_CHIPS.md, "Local work"):
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
+from ..contract.environment import marked, sharding_of
 from ..contract.errors import UnsupportedError
-
-# In jit's cache key (and its trace context): a function traced inside
-# local_work() and again outside it is traced twice, so a local choice is never
-# replayed in a program every process runs (nor the reverse).
-_marked = jax.make_user_context(default_value=False)
-
-
-@contextlib.contextmanager
-def local_work() -> Iterator[None]:
-    """Mark the attention calls made or traced inside as this process's own work,
-    selected without the other processes (no agreement, no waiting for them).
-
-    For code only some processes run, e.g. under ``if jax.process_index() == 0:``,
-    on this process's devices. A marked call that JAX knows spans processes
-    raises UnsupportedError; paged attention got inside is local for its lifetime.
-    """
-    with _marked(True):
-        yield
-
-
-def marked() -> bool:
-    """Whether calls made here are inside :func:`local_work`."""
-    return bool(_marked.value)
-
-
-def sharding_of(x: Any) -> Any:
-    """The sharding of a concrete array, ShapeDtypeStruct or (under jit) tracer, or None."""
-    if isinstance(x, jax.core.Tracer):
-        try:
-            return jax.typeof(x).sharding
-        except Exception:  # noqa: BLE001 - an aval without sharding: nothing to learn
-            return None
-    return getattr(x, "sharding", None)
 
 
 def _others(devices: Any) -> list[int]:

@@ -311,8 +311,7 @@ class Registry:
     def _explain_paged(self, call: Any, device: Any, backend: str | None, prefer: Any,
                        fallback: str, backend_options: Mapping[str, Any] | None,
                        ) -> tuple[Explanation, bool]:
-        from ..contract.environment import process_count, resolve_all
-        from .local import marked
+        from ..contract.environment import marked, process_count, resolve_all
         from .paged import select_paged
 
         if fallback not in FALLBACK_MODES:
@@ -331,7 +330,7 @@ class Registry:
                 warn(f"{what}: {', '.join(map(repr, unknown))} not installed (installed: "
                      f"{', '.join(sorted(self.backends)) or 'none'}); ignored",
                      AttnBackendsWarning)
-        # No arrays to judge yet: local work only where marked (choose/local.py).
+        # No arrays to judge yet: local work only where marked (contract/environment.py).
         local = process_count() > 1 and marked()
         agree = self.agree if process_count() > 1 and not local else None
 

@@ -1,17 +1,21 @@
 """What this process runs on: ``device=`` as a platform name, the platforms JAX
-sees, the software and hardware a verdict (probe, certificate) is valid for, and
-the ``ATTN_BACKENDS_*`` settings."""
+sees, where a value lives (its sharding, the manual axes it varies over), the
+software and hardware a verdict (probe, certificate) is valid for, and the
+``ATTN_BACKENDS_*`` settings."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
+
+import jax
 
 from .errors import PlatformUnavailableError
 
@@ -98,8 +102,6 @@ def resolve(device: Any) -> tuple[str, bool]:
     Another platform JAX does not report raises PlatformUnavailableError: it
     exists only through its plugin, which is not installed (or found no device).
     """
-    import jax
-
     if device is None:
         return platform_name(jax.default_backend()), True
     if isinstance(device, jax.Device):
@@ -208,17 +210,78 @@ def local_device(platform: str) -> Any:
     process 0's device, which no other process can read back from; every process
     judges a backend on a device of its own (docs/MANY_CHIPS.md, "Many hosts").
     """
-    import jax
-
     return jax.local_devices(backend=platform)[0]
 
 
 def process_count() -> int:
     """How many JAX processes this run has (``jax.distributed``; 1 on one host).
     Only above 1 does selection agree across processes."""
-    import jax
-
     return jax.process_count()
+
+
+# In jit's cache key (and its trace context): a function traced inside
+# local_work() and again outside it is traced twice, so a local choice is never
+# replayed in a program every process runs (nor the reverse).
+_marked = jax.make_user_context(default_value=False)
+
+
+@contextlib.contextmanager
+def local_work() -> Iterator[None]:
+    """Mark the attention calls made or traced inside as this process's own work,
+    selected without the other processes (no agreement, no waiting for them).
+
+    For code only some processes run, e.g. under ``if jax.process_index() == 0:``,
+    on this process's devices. A marked call that JAX knows spans processes
+    raises UnsupportedError; paged attention got inside is local for its lifetime.
+    """
+    with _marked(True):
+        yield
+
+
+def marked() -> bool:
+    """Whether calls made here are inside :func:`local_work`."""
+    return bool(_marked.value)
+
+
+def sharding_of(x: Any) -> Any:
+    """The sharding of a concrete array, ShapeDtypeStruct or (under jit) tracer, or None."""
+    if isinstance(x, jax.core.Tracer):
+        try:
+            return jax.typeof(x).sharding
+        except Exception:  # noqa: BLE001 - an aval without sharding: nothing to learn
+            return None
+    return getattr(x, "sharding", None)
+
+
+def varying_axes(*values: Any) -> frozenset[str]:
+    """The manual mesh axes (inside ``jax.shard_map``) any array in ``values``
+    (pytrees) varies over; empty outside shard_map."""
+    axes: frozenset[str] = frozenset()
+    for x in jax.tree.leaves(values):
+        manual = getattr(jax.typeof(x), "manual_axis_type", None)
+        if manual is not None:
+            axes |= manual.varying
+    return axes
+
+
+def vary_like(tree: Any, *like: Any) -> Any:
+    """``tree``'s arrays typed as varying over every manual axis ``like`` varies over.
+
+    Inside a ``jax.shard_map`` with ``check_vma=True`` a value made from constants
+    (``jnp.zeros``, a loop carry's start) is invariant, and JAX refuses a loop whose
+    carry, or a switch whose branches, mix it with one made from the varying
+    inputs. ``jax.lax.pcast(..., to="varying")`` moves no data; outside shard_map
+    this returns ``tree`` unchanged.
+    """
+    axes = varying_axes(like)
+    if not axes:
+        return tree
+
+    def cast(x: Any) -> Any:
+        missing = tuple(sorted(axes - varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
 
 
 def device_kind(platform: str) -> str | None:

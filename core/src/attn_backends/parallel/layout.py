@@ -31,9 +31,9 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from ..choose.attention import sharding_of
 from ..choose.select import Explanation
 from ..contract.call import AttentionCall, Operands
+from ..contract.environment import sharding_of
 
 _DIMS = ("batch", "sequence", "heads", "head_dim")
 
@@ -144,7 +144,8 @@ def _padded(spec: PartitionSpec | None) -> tuple[Any, ...]:
 def resolve_layout(request: ShardingRequest | None, q: Any, k: Any, v: Any) -> Layout | None:
     """The layout of this call, or None when nothing is sharded (the plain path)."""
     request = request or ShardingRequest()
-    mesh, spec = request.mesh, request.spec
+    found_mesh, found = _spec_from("q", q)
+    spec = request.spec
     if spec is not None:
         for name, x in (("q", q), ("k", k), ("v", v)):
             _, actual = _spec_from(name, x)
@@ -154,15 +155,17 @@ def resolve_layout(request: ShardingRequest | None, q: Any, k: Any, v: Any) -> L
                     "would move q, k, v between devices: reshard them first, or drop spec="
                 )
     else:
-        found_mesh, spec = _spec_from("q", q)
+        spec = found
         for name, x in (("k", k), ("v", v)):
-            other_mesh, other = _spec_from(name, x)
+            _, other = _spec_from(name, x)
             if other is not None and spec is not None and _padded(other) != _padded(spec):
                 raise ValueError(
                     f"{name}: sharded as {other}, expected the same spec as q ({spec}); "
                     "q, k and v share one layout (reshard them, or pass spec=)"
                 )
-        mesh = mesh if mesh is not None else found_mesh
+    # The mesh: mesh=, else q's own (concrete, or a tracer's abstract one: no
+    # context needed), else the one in context.
+    mesh = request.mesh if request.mesh is not None else found_mesh
     if mesh is None:
         context = jax.sharding.get_abstract_mesh()
         mesh = None if context.empty else context
@@ -303,9 +306,19 @@ def place(layout: Layout, x: Any, spec: PartitionSpec) -> Any:
     """
     if not _explicit(layout, [a for entry in spec for a in _axes(entry)]):
         return x
-    if isinstance(layout.mesh, jax.sharding.Mesh):
-        return jax.sharding.reshard(x, jax.sharding.NamedSharding(layout.mesh, spec))
-    return jax.sharding.reshard(x, spec)
+    return jax.sharding.reshard(x, explicit_sharding(layout, spec))
+
+
+def explicit_sharding(layout: Layout, spec: PartitionSpec) -> jax.sharding.NamedSharding:
+    """``spec`` on the layout's mesh with its Auto axes left out: what a sharding in
+    types (``reshard``, ``auto_axes``' out_sharding) may name on a mixed mesh."""
+    types = dict(zip(layout.mesh.axis_names, layout.mesh.axis_types, strict=True))
+
+    def kept(entry: Any) -> Any:
+        axes = tuple(a for a in _axes(entry) if types[a] == jax.sharding.AxisType.Explicit)
+        return layout.entry(axes)
+
+    return jax.sharding.NamedSharding(layout.mesh, PartitionSpec(*map(kept, spec)))
 
 
 def place_all(layout: Layout, specs: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:

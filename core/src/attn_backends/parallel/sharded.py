@@ -23,6 +23,7 @@ from .layout import (
     _explicit,
     _local,
     check_layout,
+    explicit_sharding,
     operand_specs,
     place_all,
     present,
@@ -80,9 +81,9 @@ def _run_partitioned(single: SingleDevice, backend: Backend, call: AttentionCall
     run = functools.partial(single.served(backend), call)
     if not _explicit(layout, (*layout.batch, *layout.heads)):
         return run(q, k, v, operands)
-    out = jax.sharding.NamedSharding(layout.mesh, layout.qkv_spec)
+    out = explicit_sharding(layout, layout.qkv_spec)
     if call.return_lse:
-        out = (out, jax.sharding.NamedSharding(layout.mesh, layout.lse_spec))
+        out = (out, explicit_sharding(layout, layout.lse_spec))
     return jax.sharding.auto_axes(run, out_sharding=out)(q, k, v, operands)
 
 

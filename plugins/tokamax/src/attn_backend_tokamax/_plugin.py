@@ -12,7 +12,13 @@ from typing import Any, ClassVar
 
 import attn_backends
 from attn_backends import AttentionCall, Backend, HeadDims, Operands
-from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
+from attn_backends.authoring import (
+    distribution_version,
+    manifest,
+    refuse,
+    refuse_manual_axes,
+    resolve_options,
+)
 
 from . import _jax_lines as jax_lines
 from ._environment import tokamax_reasons, tokamax_version
@@ -78,10 +84,16 @@ class TokamaxBackend(Backend):
         directly).
         """
         refuse(self.name, call, self.check(call))
+        if self.manual_axes is not None:
+            refuse_manual_axes(self.name, call, (q, k, v), self.manual_axes)
         from ._adapter import run
 
         return run(call, q, k, v, operands, self.implementation_for(call, options),
                    **self.adapter_args)
+
+    #: Why this implementation cannot run inside a user's shard_map with
+    #: check_vma=True (None: it can; the README's findings table).
+    manual_axes: ClassVar[str | None] = None
 
     #: Keyword arguments of ``_adapter.run`` for this implementation.
     adapter_args: ClassVar[dict[str, Any]] = {}
@@ -192,6 +204,8 @@ class TokamaxMosaicTpuBackend(TokamaxBackend):
     # divide the sequences: the adapter pads Tq and Tk to them.
     adapter_args: ClassVar[dict[str, Any]] = {"native": False, "multiple": 128}
     jax_line = jax_lines.MOSAIC_TPU
+    manual_axes = ("tokamax's splash kernel cannot be traced: its pallas_call outputs name "
+                   "no manual axes")
 
     def implementation_for(self, call: AttentionCall, options: Any) -> Any:
         """The splash kernels: compiled when lowering for tpu, interpreted when

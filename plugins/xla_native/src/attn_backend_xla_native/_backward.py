@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+from attn_backends.authoring import vary_like
 from jax import lax
 
 from ._plan import Masks, Plan, kv_block, tile_keep, visibility
@@ -53,6 +54,8 @@ def xla_native_backward(
     and the padded bias gradient (float32) or None.
     """
     dtype = q.dtype
+    # Inside a user's shard_map every carry varies as the inputs do (check_vma).
+    inputs = (q, k_t, v, bias, d_out, lse, delta)
     # float16 tops out at 65504, which logit gradients pass under loss
     # scaling even when dq and dk fit: its products stay float32.
     ds_dtype = plan.acc if dtype == jnp.float16 else dtype
@@ -110,8 +113,8 @@ def xla_native_backward(
 
         dq_t, dbias = carry
         inner = (
-            jnp.zeros(k_tile.shape, plan.acc),
-            jnp.zeros(v_tile.shape, plan.acc),
+            *vary_like((jnp.zeros(k_tile.shape, plan.acc), jnp.zeros(v_tile.shape, plan.acc)),
+                       *inputs),
             dq_t,
             dbias,
         )
@@ -119,10 +122,10 @@ def xla_native_backward(
         dk, dv, dq_t, dbias = visit(bounds, body, inner, has_positional_mask(plan, masks))
         return (dq_t, dbias), (dk, dv)
 
-    dq_t = jnp.zeros(q.swapaxes(-1, -2).shape, plan.acc)
+    dq_t = vary_like(jnp.zeros(q.swapaxes(-1, -2).shape, plan.acc), *inputs)
     dbias = None
     if bias_grad and bias is not None:
-        dbias = jnp.zeros(bias.shape, plan.acc)
+        dbias = vary_like(jnp.zeros(bias.shape, plan.acc), *inputs)
     kv_index = jnp.arange(plan.n_kv, dtype=jnp.int32)
     (dq_t, dbias), (dk, dv) = lax.scan(one_key_block, (dq_t, dbias), (kv_index, k_t))
     scale = plan.acc(plan.scale)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+from attn_backends.authoring import vary_like
 from jax import lax
 
 from ._plan import (
@@ -94,11 +95,11 @@ def xla_native_forward(
 
             return _step(s, vis, carry, v_tile, dropped)
 
-        carry = (
+        carry = vary_like((
             jnp.full(lead, -jnp.inf, plan.acc),
             jnp.zeros(lead, plan.acc),
             jnp.zeros((*lead, v.shape[-1]), plan.acc),
-        )
+        ), q, k, v, bias)
         bounds = kv_blocks_for(plan, masks, qi)
         m, row_sum, acc = visit(bounds, body, carry, has_positional_mask(plan, masks))
         seen = row_sum > 0

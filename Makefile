@@ -210,7 +210,8 @@ test-main: pytest-main
 # (MULTIHOST_COMPAT), not here: on this line the 4-process run with one shared
 # cache serves the same call kinds, and the 2-process one took 94 s on both cores.
 MAIN_DESELECT := --deselect \
-	"tests/multihost/test_multihost_serving.py::test_every_process_serves_plain_sharded_ring_and_paged_calls[2-False]"
+	"tests/multihost/test_multihost_serving.py::test_every_process_serves_plain_sharded_ring_and_paged_calls[2-False]" \
+	"tests/multihost/test_multihost_serving.py::test_sharded_ring_and_paged_calls_with_no_mesh_context_on_every_process"
 
 pytest-main: install
 	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25 $(MAIN_DESELECT)
@@ -256,8 +257,9 @@ test-compat: pytest-compat
 # The multi-process runs on jax 0.10: what differs between the lines there is
 # jax.distributed's client and its key-value store. On this line: a dead and a
 # hung process (the client's timeouts and the store's blocking reads), a host
-# lacking a plugin (an offer that differs), the 2-process run of every call kind
-# and local work (process 0 alone while the other waits in the client's barrier;
+# lacking a plugin (an offer that differs), the 2-process run of every call kind,
+# the sharded calls with no mesh context (the mesh from arrays over both
+# processes) and local work (process 0 alone while the other waits in the client's barrier;
 # its jitted marked call rests on jax.make_user_context, whose jit cache key
 # each line builds). The other skew cases (a tuning table, a quarantine, an
 # ATTN_BACKENDS_ONLY that differ), the 4-process run (one shared cache folder)
@@ -268,7 +270,8 @@ MULTIHOST_COMPAT := \
 	"$(MULTIHOST_FAULTS)::test_a_process_that_dies_or_hangs_is_an_error_on_the_others_in_bounded_time" \
 	"$(MULTIHOST_FAULTS)::test_a_host_lacking_the_chosen_plugin_moves_all_to_one_they_share" \
 	tests/multihost/test_multihost_local.py \
-	"tests/multihost/test_multihost_serving.py::test_every_process_serves_plain_sharded_ring_and_paged_calls[2-False]"
+	"tests/multihost/test_multihost_serving.py::test_every_process_serves_plain_sharded_ring_and_paged_calls[2-False]" \
+	"tests/multihost/test_multihost_serving.py::test_sharded_ring_and_paged_calls_with_no_mesh_context_on_every_process"
 
 # The Pallas adapters' paged tests run on the newest line only: what they add
 # over the suite's paged family is the adapters' own page-table and layout

@@ -140,3 +140,43 @@ def test_attention_inside_the_users_shard_map(md_registry, name, check_vma, mode
     want = oracle(q, k, v, causal=True, kv_lengths=lengths)[0]
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("name", ["xla_native", "native_cpu", "flash_pallas"])
+def test_ring_with_no_mesh_context(md_registry, name, mode):
+    # The sequence over "sp" of a mesh known only from the arrays (Explicit).
+    mesh = jax.make_mesh((2, 2), ("dp", "sp"), axis_types=(E, E), devices=jax.devices()[:4])
+    sharding = NamedSharding(mesh, P("dp", "sp", None, None))
+    att = md_registry.get(device="cpu", backend=name, sequence_axis="sp")
+    q, k, v = _inputs(BACKENDS.index(name) + 40)
+    args = [jax.device_put(x, sharding) for x in (q, k, v)]
+    out = _run(mode, lambda q, k, v: att(q, k, v, causal=True), *args)
+    np.testing.assert_allclose(np.asarray(out), oracle(q, k, v, causal=True)[0], atol=2e-5)
+    assert out.sharding.is_equivalent_to(sharding, 4)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("types", [(E,), (A,)], ids=["explicit", "auto"])
+@pytest.mark.parametrize("name", ["xla_native", "native_cpu"])
+def test_paged_with_a_sharded_cache_and_no_mesh_context(md_registry, name, types, mode):
+    import jax.numpy as jnp
+    from _paged_support import paged_case
+    from attn_backends import KVCache
+    from attn_backends.parallel.paged import shard_paged_heads
+
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=types, devices=jax.devices()[:4])
+    paged = md_registry.get_paged(device="cpu", backend=name, num_q_heads=HQ,
+                                  num_kv_heads=HKV, head_dim=16, page_size=4, dtype="float32")
+    case = paged_case([(5, 5), (3, 9), (1, 13), (0, 6)], page_size=4, hq=HQ, hkv=HKV, d=16,
+                      pad_rows=2)
+    served = shard_paged_heads(paged, mesh, "tp")
+    pool = paged.from_canonical(jnp.asarray(case.k_pages), jnp.asarray(case.v_pages))
+    pool = KVCache(tuple(jax.device_put(a, NamedSharding(mesh, s))
+                         for a, s in zip(pool.arrays, served._cache_specs, strict=True)),
+                   pool.layout, pool.page_size, pool.num_pages)
+    heads = NamedSharding(mesh, P(None, "tp", None))
+    q = jax.device_put(jnp.asarray(case.q), heads)
+    out = _run(mode, served.__call__, q, pool, case.batch())
+    np.testing.assert_allclose(np.asarray(out), case.expected(), atol=2e-5)
+    assert out.sharding.is_equivalent_to(heads, 3)

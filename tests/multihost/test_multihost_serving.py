@@ -26,6 +26,17 @@ def test_every_process_serves_plain_sharded_ring_and_paged_calls(tmp_path, count
         assert max(r["worst"].values()) < TOLERANCE, r["worst"]
 
 
+def test_sharded_ring_and_paged_calls_with_no_mesh_context_on_every_process(tmp_path):
+    # docs/MANY_CHIPS.md: arrays on a mesh over both processes, no set_mesh.
+    results, _ = run(tmp_path, 2, "nocontext")
+    for r in results:
+        assert r["error"] is None, r.get("trace")
+        assert set(r["worst"]) == {"plain", "sharded jit", "sharded eager", "ring jit",
+                                   "ring eager", "paged"}
+        assert max(r["worst"].values()) < TOLERANCE, r["worst"]
+    assert choices(results)["sharded"] == single_process_choice()
+
+
 def test_the_command_line_lists_explains_and_checks_on_every_process(tmp_path):
     call = ["--device", "cpu", "--q", "2,32,4,16", "--kv", "2,32,4,16", "--causal"]
     agreed = f"hosts: 2 processes agree on {single_process_choice()}"

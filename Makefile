@@ -210,8 +210,7 @@ test-main: pytest-main
 # (MULTIHOST_COMPAT), not here: on this line the 4-process run with one shared
 # cache serves the same call kinds, and the 2-process one took 94 s on both cores.
 MAIN_DESELECT := --deselect \
-	"tests/multihost/test_multihost_serving.py::test_every_process_serves_plain_sharded_ring_and_paged_calls[2-False]" \
-	"tests/multihost/test_multihost_serving.py::test_sharded_ring_and_paged_calls_with_no_mesh_context_on_every_process"
+	"tests/multihost/test_multihost_serving.py::test_every_process_serves_plain_sharded_ring_and_paged_calls[2-False]"
 
 pytest-main: install
 	$(TIMED) $@ -- $(PY) -m pytest $(PYTEST_2) --durations=25 $(MAIN_DESELECT)

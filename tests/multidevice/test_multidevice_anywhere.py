@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from attn_backends import UnsupportedError
+from attn_backends import FallbackWarning, UnsupportedError
 from attn_backends_contracts._oracle import attention as oracle
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -31,7 +31,8 @@ if jax.__version_info__ < (0, 12):
     # It refuses jax 0.10, where the suite failed its backward (plugins/tokamax).
     BACKENDS.remove("tokamax_mosaic_tpu")
 #: Backends whose kernels JAX cannot trace inside shard_map with check_vma=True
-#: (their plugins' READMEs): refused there with UnsupportedError naming the fix.
+#: (their plugins' READMEs; their manifests do not claim check_vma): refused
+#: there with UnsupportedError naming the fix, passed over when not pinned.
 NO_VMA = {"flash_pallas", "flash_triton", "tokamax_mosaic_tpu"}
 # flash_triton's kernel wants Tq == Tk and a head dim of 64 or more; four kv
 # heads so that every head split keeps whole query groups.
@@ -133,13 +134,35 @@ def test_attention_inside_the_users_shard_map(md_registry, name, check_vma, mode
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P("dp")),
                            out_specs=spec, check_vma=check_vma)
     if check_vma and name in NO_VMA:
-        with pytest.raises(UnsupportedError, match="check_vma=False"):
+        with pytest.raises(UnsupportedError, match="check_vma=False to that shard_map"):
             _run(mode, mapped, q, k, v, lengths)
         return
     out = _run(mode, mapped, q, k, v, lengths)
     want = oracle(q, k, v, causal=True, kv_lengths=lengths)[0]
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+
+
+def test_a_backend_that_cannot_run_in_shard_map_is_passed_over_loudly(md_registry):
+    # Preferred, flash_pallas would serve the call; inside a check_vma shard_map
+    # selection moves on, warning with the reason, and says so in explain.
+    att = md_registry.get(device="cpu", prefer=("flash_pallas",))
+    mesh = _mesh(A, A)
+    q, k, v = _inputs(60)
+    seen = {}
+
+    def body(q: Any, k: Any, v: Any) -> Any:
+        seen["explanation"] = att.explain(q, k, v, causal=True)
+        return att(q, k, v, causal=True)
+
+    spec = P("dp", None, "tp", None)
+    mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    with pytest.warns(FallbackWarning, match="flash_pallas.*check_vma=True"):
+        out = mapped(q, k, v)
+    np.testing.assert_allclose(np.asarray(out), oracle(q, k, v, causal=True)[0], atol=2e-5)
+    explanation = seen["explanation"]
+    assert explanation.chosen not in NO_VMA
+    assert "Capabilities.check_vma" in str(explanation)
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])

@@ -22,8 +22,6 @@ subclass with a :class:`attn_backends.Capabilities` manifest either way.
   position in a paged batch, and the batch gathered into dense per-sequence
   keys and values with each row's visible positions, for a paged backend over
   a dense kernel.
-- :func:`refuse_manual_axes`: refuse a call inside a user's ``jax.shard_map``
-  with ``check_vma=True`` that the backend's kernel cannot be traced in.
 - :func:`vary_like`: values a backend makes from constants (a loop carry's
   start) typed as varying over the manual axes its inputs vary over, so it
   runs inside a user's ``jax.shard_map`` with ``check_vma=True``.
@@ -47,7 +45,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 from .contract import heads_first
 from .contract.call import FEATURES, AttentionCall
 from .contract.capabilities import Capabilities
-from .contract.environment import env_flag, vary_like, varying_axes
+from .contract.environment import env_flag, vary_like
 from .contract.errors import UnsupportedError
 from .contract.heads_first import HeadsFirstPagedBackend
 from .contract.paged import PagedCall, PagedCapabilities, canonical_write
@@ -68,7 +66,6 @@ __all__ = [
     "paged_dense",
     "paged_rows",
     "refuse",
-    "refuse_manual_axes",
     "resolve_options",
     "vary_like",
 ]
@@ -218,24 +215,6 @@ def refuse(backend: str, call: AttentionCall, reasons: Sequence[str]) -> None:
         raise UnsupportedError(
             f"{backend} cannot serve {call.describe()}: " + "; ".join(dict.fromkeys(reasons))
         )
-
-
-def refuse_manual_axes(backend: str, call: AttentionCall, arrays: Any, why: str) -> None:
-    """Raise ``UnsupportedError`` when ``arrays`` (a pytree: q, k, v) vary over the
-    manual axes of a user's ``jax.shard_map`` with ``check_vma=True``, for a kernel
-    that cannot be traced there (``why``); return elsewhere.
-
-    The message names the axes and the two fixes: ``check_vma=False`` on that
-    shard_map (the kernel then runs per device as it does anywhere), or another
-    backend.
-    """
-    axes = varying_axes(arrays)
-    if axes:
-        refuse(backend, call, [
-            f"q, k, v vary over the manual axes {sorted(axes)} of a jax.shard_map with "
-            f"check_vma=True, where {why}. Pass check_vma=False to that shard_map, or "
-            f"serve this call with another backend (registry.get(backend=...), or "
-            f"ATTN_BACKENDS_DISABLE={backend})"])
 
 
 def dropout_seed(key: Any) -> Any:

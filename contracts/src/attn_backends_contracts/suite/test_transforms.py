@@ -1,4 +1,4 @@
-"""jit, vmap, grad, checkpoint, determinism, and that the backend's own kernel ran.
+"""jit, vmap, grad, checkpoint, a user's shard_map, determinism, and the backend's own kernel ran.
 
 All on :func:`~attn_backends_contracts.cases.transform_case` (batch 2, GQA and
 causal when claimed).
@@ -96,6 +96,40 @@ def test_grad(attn_suite: Any) -> None:
 def test_checkpoint(attn_suite: Any) -> None:
     """jax.grad through jax.checkpoint (rematerialised forward) equals the oracle's VJP."""
     _grad_check(attn_suite, jax.checkpoint, "checkpoint")
+
+
+@family("transforms")
+def test_shard_map(attn_suite: Any) -> None:
+    """Inside a user's ``jax.shard_map`` with ``check_vma=True`` (one device, so q,
+    k, v vary over its manual axis): claimed (``check_vma``), the output and
+    gradients equal the oracle; unclaimed, a clean UnsupportedError naming the fix."""
+    from attn_backends import UnsupportedError
+    from jax.sharding import Mesh, PartitionSpec
+
+    case, data, f = _setup(attn_suite)
+    caps = attn_suite.caps
+    device = jax.local_devices(backend=attn_suite.platform)[0]
+    mesh = Mesh(np.array([device]), ("user",), axis_types=(jax.sharding.AxisType.Auto,))
+    d_out = jnp.asarray(data["d_out"])
+
+    def body(q: Any, k: Any, v: Any, d_out: Any) -> Any:
+        if not caps.differentiable:
+            return f(q, k, v), ()
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(d_out.astype(out.dtype))
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("user"),
+                           out_specs=PartitionSpec("user"), check_vma=True)
+    args = (data["q"], data["k"], data["v"], d_out)
+    if not caps.check_vma:
+        with pytest.raises(UnsupportedError, match="check_vma=False"):
+            jax.jit(mapped)(*args)
+        return
+    out, grads = compiled(mapped, *args)(*args)
+    expected = oracle(case, data, differentiable=caps.differentiable)
+    _check(attn_suite, case, "out", out, expected["out"], "in shard_map")
+    for name, g in zip(("dq", "dk", "dv"), grads, strict=True):
+        _check(attn_suite, case, name, g, expected[name], "in shard_map")
 
 
 @family("determinism")

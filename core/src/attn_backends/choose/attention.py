@@ -23,7 +23,7 @@ import jax
 
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, Operands, bind
-from ..contract.environment import process_count, sharding_of
+from ..contract.environment import is_sharded, process_count, varying_axes
 from ..contract.errors import (
     AgreementError,
     FallbackWarning,
@@ -33,7 +33,7 @@ from ..contract.errors import (
     warn,
 )
 from .discovery import Origin
-from .dispatch import Served, by_pass, empty_result, unavailable_message
+from .dispatch import Served, by_pass, empty_result, manual_axes_reasons, unavailable_message
 from .select import LOCAL_WORK, Agree, Explanation, Measured, Probe, Tuning, select
 
 #: Distinct call signatures one Attention remembers; older ones are evicted.
@@ -139,15 +139,11 @@ class ParallelLayer(Protocol):
                 q: Any, k: Any, v: Any) -> Explanation: ...
 
 
-def is_sharded(x: Any) -> bool:
-    """Whether ``x`` is laid out over mesh axes (a spec naming one, or a sharding that
-    is neither single-device nor fully replicated): such a call is the parallel layer's."""
-    sharding = sharding_of(x)
-    if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return False
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return not sharding.mesh.empty and any(entry is not None for entry in sharding.spec)
-    return not getattr(sharding, "is_fully_replicated", False)
+def _inside_shard_map(q: Any, k: Any, v: Any) -> dict[str, Any]:
+    """Selection's extra judging for q, k, v that vary over a user's shard_map's
+    manual axes (check_vma=True): backends not claiming ``check_vma`` are passed over."""
+    manual = varying_axes(q, k, v)
+    return {"reasons_for": manual_axes_reasons(manual)} if manual else {}
 
 
 class Attention:
@@ -289,18 +285,22 @@ class Attention:
             return self._parallel_layer().explain(self._single_device(where), self.sharding,
                                                   call, q, k, v)
         return self.explain_call(call, grad=grad and self._tuned_apart(call, self.platform),
-                                 local=where(None))
+                                 local=where(None), **_inside_shard_map(q, k, v))
 
     def backend_for(self, call: AttentionCall, platform: str | None = None,
-                    grad: bool = False, *, local: bool = False) -> Backend:
+                    grad: bool = False, *, local: bool = False,
+                    manual: frozenset[str] = frozenset()) -> Backend:
         """The backend serving ``call`` on ``platform`` (default: the first),
         selecting on first sight; with ``grad``, the one serving it when it is
         differentiated (another only when a tuning table says so); with
-        ``local``, the one this process chooses alone for its local work."""
+        ``local``, the one this process chooses alone for its local work; with
+        ``manual``, inside a user's shard_map whose manual axes q, k, v vary over."""
         platform = self.platform if platform is None else platform
-        return self._choose(call, "grad" if grad else None,
+        key = "grad" if grad else None
+        judging = {"reasons_for": manual_axes_reasons(manual)} if manual else {}
+        return self._choose(call, (key, "check_vma") if manual else key,
                             lambda: self.explain_call(call, platform=platform, grad=grad,
-                                                      local=local),
+                                                      local=local, **judging),
                             platform, local=local)
 
     def _choose(self, call: AttentionCall, key: Hashable, explain: Callable[[], Explanation],
@@ -415,10 +415,11 @@ class Attention:
                 )
             return self._parallel_layer().run(self._single_device(where), self.sharding,
                                               call, q, k, v, operands)
-        local = where(None)
-        served = {p: self.backend_for(call, platform=p, local=local) for p, _ in self.platforms}
+        local, manual = where(None), varying_axes(q, k, v)
+        served = {p: self.backend_for(call, platform=p, local=local, manual=manual)
+                  for p, _ in self.platforms}
         forward = Served.of(served, self.backend_options)
-        trained = {p: self.backend_for(call, platform=p, grad=True, local=local)
+        trained = {p: self.backend_for(call, platform=p, grad=True, local=local, manual=manual)
                    for p, _ in self.platforms if self._tuned_apart(call, p)}
         if not trained or all(trained[p] is served[p] for p in trained):
             return forward(call, q, k, v, operands)

@@ -28,7 +28,13 @@ import jax.numpy as jnp
 
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, Operands
-from ..contract.environment import lowering_names, platform_name, vary_like, visible_platforms
+from ..contract.environment import (
+    lowering_names,
+    platform_name,
+    vary_like,
+    varying_axes,
+    visible_platforms,
+)
 from ..contract.errors import PlatformUnavailableError, UnsupportedError
 
 
@@ -135,6 +141,7 @@ class Served:
                 served = backend.capabilities.served_call(call)
                 operands = served_operands(call, served, operands)
                 refuse_unclaimed(backend, served)
+                refuse(backend.name, served, manual_axes_reasons(varying_axes(q, k, v))(backend))
                 q, k, v, operands = guard_gradients(backend, q, k, v, operands)
                 operands = lengths_in_range(served, operands)
                 with jax.named_scope(f"attn/{backend.name}"):
@@ -235,6 +242,29 @@ def absent_ids(q_ids: Any) -> Any:
     return jnp.where(low > smallest, low - 1, above)
 
 
+def manual_axes_reasons(axes: frozenset[str]) -> Callable[[Backend], list[str]]:
+    """Why a backend cannot serve a call whose q, k, v vary over the manual ``axes``
+    of a user's ``jax.shard_map`` with ``check_vma=True`` (none when ``axes`` is
+    empty, or the backend's manifest claims ``check_vma``)."""
+
+    def reasons(backend: Backend) -> list[str]:
+        if not axes or backend.capabilities.check_vma:
+            return []
+        return [f"q, k, v vary over the manual axes {sorted(axes)} of a jax.shard_map with "
+                "check_vma=True, where its kernel cannot be traced (Capabilities.check_vma "
+                "is not claimed); pass check_vma=False to that shard_map to serve it there"]
+
+    return reasons
+
+
+def refuse(backend: str, call: AttentionCall, reasons: Sequence[str]) -> None:
+    """Raise ``UnsupportedError("backend NAME cannot serve CALL: R1; R2")`` when
+    there are ``reasons``."""
+    if reasons:
+        raise UnsupportedError(f"backend {backend!r} cannot serve {call.describe()}: "
+                               + "; ".join(reasons))
+
+
 def refuse_unclaimed(backend: Backend, call: AttentionCall) -> None:
     """Raise UnsupportedError when ``call`` uses what ``backend``'s manifest does not claim.
 
@@ -242,11 +272,7 @@ def refuse_unclaimed(backend: Backend, call: AttentionCall) -> None:
     ``backend.attend`` runs it first, so no backend needs its own copy and
     none can be handed a feature it would silently ignore.
     """
-    reasons = backend.capabilities.unclaimed(call)
-    if reasons:
-        raise UnsupportedError(
-            f"backend {backend.name!r} cannot serve {call.describe()}: " + "; ".join(reasons)
-        )
+    refuse(backend.name, call, backend.capabilities.unclaimed(call))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

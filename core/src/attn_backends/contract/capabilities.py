@@ -85,6 +85,10 @@ class Capabilities:
     differentiable: bool = False
     deterministic: bool = True
     partitionable: bool = False
+    #: Runs inside a user's ``jax.shard_map`` with ``check_vma=True``: every value
+    #: it makes varies over the manual axes its inputs vary over. A backend not
+    #: claiming it is passed over there (it still serves ``check_vma=False``).
+    check_vma: bool = False
     interpret: bool = False
     jax_versions: str = ""
 

@@ -253,6 +253,17 @@ def sharding_of(x: Any) -> Any:
     return getattr(x, "sharding", None)
 
 
+def is_sharded(x: Any) -> bool:
+    """Whether ``x`` is laid out over mesh axes (a spec naming one, or a sharding that
+    is neither single-device nor fully replicated): such a call is the parallel layer's."""
+    sharding = sharding_of(x)
+    if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return False
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return not sharding.mesh.empty and any(entry is not None for entry in sharding.spec)
+    return not getattr(sharding, "is_fully_replicated", False)
+
+
 def varying_axes(*values: Any) -> frozenset[str]:
     """The manual mesh axes (inside ``jax.shard_map``) any array in ``values``
     (pytrees) varies over; empty outside shard_map."""

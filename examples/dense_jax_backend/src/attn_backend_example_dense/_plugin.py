@@ -31,6 +31,8 @@ class ExampleDenseBackend(Backend):
         bias_grad=True,
         differentiable=True,
         deterministic=True,
+        # Plain jnp: it runs inside a user's shard_map with check_vma=True.
+        check_vma=True,
         jax_versions=">=0.10",
     )
     priority = {"cpu": -10, "gpu": -10, "tpu": -10}

@@ -25,18 +25,11 @@ from attn_backends.authoring import (
     distribution_version,
     heads_first,
     manifest,
-    refuse_manual_axes,
     resolve_options,
 )
 
 from . import _paged, _paged_decode
 from ._interpret import SWITCH
-
-#: Why a call inside a user's shard_map with check_vma=True is refused (README,
-#: "Findings"): JAX's splash kernel builds its pallas_call outputs with no manual
-#: axis types, which pallas_call refuses there.
-MANUAL_AXES = ("JAX's splash attention kernel cannot be traced: its pallas_call outputs "
-               "name no manual axes (jax.experimental.pallas.ops.tpu.splash_attention)")
 
 #: The manifest without the cpu that interpret mode adds. Exactly what
 #: tests/test_flash_pallas_*.py exercise (interpret mode on cpu, jax.export for
@@ -128,7 +121,6 @@ class FlashPallasBackend(Backend, PagedBackend):
         Core has refused whatever the manifest does not claim (mask, bias,
         float16, other head dims) before this runs.
         """
-        refuse_manual_axes(self.name, call, (q, k, v), MANUAL_AXES)
         from ._adapter import run
 
         return run(call, q, k, v, operands, options)

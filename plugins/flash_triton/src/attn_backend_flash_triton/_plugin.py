@@ -23,7 +23,6 @@ from attn_backends.authoring import (
     distribution_version,
     manifest,
     refuse,
-    refuse_manual_axes,
     resolve_options,
 )
 
@@ -32,13 +31,6 @@ from ._interpret import SWITCH, interpret_enabled
 #: The manifest without the cpu that interpret mode adds. Exactly what the
 #: conformance suite certifies in interpret mode (CI, both jax lines) and what
 #: tests/ export for cuda; see the README for the rest.
-#: Why a call inside a user's shard_map with check_vma=True is refused (README,
-#: "Findings"): JAX's Pallas GPU attention kernel pads with an invariant value
-#: (masked loads' ``other=0.0``), which check_vma refuses beside varying tiles.
-MANUAL_AXES = ("JAX's Pallas GPU attention kernel cannot be traced: its masked loads "
-               "mix invariant fill values with varying tiles "
-               "(jax.experimental.pallas.ops.gpu.attention)")
-
 MANIFEST = manifest(
     platforms={"gpu"},
     features={"gqa", "causal"},
@@ -115,7 +107,6 @@ class FlashTritonBackend(Backend, HeadsFirstPagedBackend):
         Tq == Tk and Dv == D.
         """
         refuse(self.name, call, self.check(call))
-        refuse_manual_axes(self.name, call, (q, k, v), MANUAL_AXES)
         from ._adapter import run
 
         return run(call, q, k, v, operands, options)

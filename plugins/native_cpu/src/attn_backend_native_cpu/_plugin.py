@@ -45,6 +45,7 @@ class NativeCpuBackend(Backend, PagedBackend):
     # others GCC or Clang targets); only XLA:CPU runs its handlers.
     capabilities = manifest(platforms={"cpu"}, features=FEATURES,
                             dtypes={"float32", "bfloat16"}, differentiable=True,
+                            check_vma=True,
                             deterministic=True, jax_versions=">=0.10,<0.13")
     # Above xla_native (50): in the same runs (BENCHMARKS.md, "native_cpu") it took
     # less time on every dense, decode and paged cpu call measured but one (level).

@@ -30,7 +30,7 @@ class ReferenceBackend(Backend, PagedBackend):
     # Every feature on every platform, every dtype (float64 included: it computes
     # in call.accumulation_dtype) and head dim, with every gradient.
     capabilities = manifest(platforms=PLATFORMS, features=FEATURES, dtypes=CLAIMABLE_DTYPES,
-                            bias_grad=True, differentiable=True, partitionable=True,
+                            bias_grad=True, differentiable=True, partitionable=True, check_vma=True,
                             jax_versions=">=0.10")
     priority = {"cpu": 0, "gpu": 0, "tpu": 0}
     # Any page size, head dim and batch shape; init_cache, write and the

@@ -12,13 +12,7 @@ from typing import Any, ClassVar
 
 import attn_backends
 from attn_backends import AttentionCall, Backend, HeadDims, Operands
-from attn_backends.authoring import (
-    distribution_version,
-    manifest,
-    refuse,
-    refuse_manual_axes,
-    resolve_options,
-)
+from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
 
 from . import _jax_lines as jax_lines
 from ._environment import tokamax_reasons, tokamax_version
@@ -37,6 +31,9 @@ XLA_MANIFEST = manifest(
     differentiable=True,
     deterministic=True,
     partitionable=False,
+    # Traced inside a user's shard_map with check_vma=True on both lines
+    # (tests/multidevice/test_multidevice_anywhere.py, the suite's shard_map test).
+    check_vma=True,
     jax_versions=">=0.10,<0.13",
 )
 
@@ -84,16 +81,10 @@ class TokamaxBackend(Backend):
         directly).
         """
         refuse(self.name, call, self.check(call))
-        if self.manual_axes is not None:
-            refuse_manual_axes(self.name, call, (q, k, v), self.manual_axes)
         from ._adapter import run
 
         return run(call, q, k, v, operands, self.implementation_for(call, options),
                    **self.adapter_args)
-
-    #: Why this implementation cannot run inside a user's shard_map with
-    #: check_vma=True (None: it can; the README's findings table).
-    manual_axes: ClassVar[str | None] = None
 
     #: Keyword arguments of ``_adapter.run`` for this implementation.
     adapter_args: ClassVar[dict[str, Any]] = {}
@@ -204,8 +195,6 @@ class TokamaxMosaicTpuBackend(TokamaxBackend):
     # divide the sequences: the adapter pads Tq and Tk to them.
     adapter_args: ClassVar[dict[str, Any]] = {"native": False, "multiple": 128}
     jax_line = jax_lines.MOSAIC_TPU
-    manual_axes = ("tokamax's splash kernel cannot be traced: its pallas_call outputs name "
-                   "no manual axes")
 
     def implementation_for(self, call: AttentionCall, options: Any) -> Any:
         """The splash kernels: compiled when lowering for tpu, interpreted when
@@ -225,7 +214,9 @@ class TokamaxMosaicTpuBackend(TokamaxBackend):
 #: backward (``_gpu_kernels.py``): what the XLA implementations serve, on gpu.
 #: Lowered, not run, here: nothing here has a GPU, and tokamax's kernel cannot
 #: run in Pallas' interpreter (README).
-TRITON_MANIFEST = dataclasses.replace(XLA_MANIFEST, platforms=frozenset({"gpu"}))
+# check_vma not claimed: never traced inside a check_vma shard_map here (no GPU).
+TRITON_MANIFEST = dataclasses.replace(XLA_MANIFEST, platforms=frozenset({"gpu"}),
+                                      check_vma=False)
 
 
 class TokamaxTritonBackend(TokamaxBackend):

@@ -53,6 +53,7 @@ class XlaNativeBackend(Backend, HeadsFirstPagedBackend):
         # float64 too: every softmax and accumulation runs in call.accumulation_dtype.
         dtypes=CLAIMABLE_DTYPES,
         bias_grad=True, differentiable=True, deterministic=True, partitionable=True,
+        check_vma=True,
         interpret=False,
     )
     priority = {"cpu": 50, "gpu": 50, "tpu": 50}

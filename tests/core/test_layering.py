@@ -180,7 +180,7 @@ _LOADED = ("import json, sys\n"
            "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'attn_backends')\n")
 
 
-def test_import_loads_at_most_sixteen_modules_and_nothing_above_choosing():
+def test_import_loads_at_most_fifteen_modules_and_nothing_above_choosing():
     loaded = _run("import attn_backends\n" + _LOADED + "print(json.dumps(loaded))")
     assert len(loaded) <= IMPORT_BUDGET, loaded
     above = [m for m in loaded if m.split(".")[1:2] in (["probe"], ["parallel"], ["cli"])]
@@ -197,6 +197,8 @@ def test_a_single_device_call_under_jit_never_imports_the_parallel_layer():
         "str(att.explain(q, k, v))\n" + _LOADED + "print(json.dumps(loaded))")
     assert "attn_backends.choose.attention" in loaded
     assert [m for m in loaded if m.startswith("attn_backends.parallel")] == []
+    # Nor what only multi-process runs need (one process here).
+    assert "attn_backends.choose.local" not in loaded
 
 
 def test_a_sharded_input_reaches_the_parallel_layer():

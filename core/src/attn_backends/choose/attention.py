@@ -9,13 +9,11 @@ back from here only :class:`SingleDevice`, the callables it needs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,53 +31,15 @@ from ..contract.errors import (
     warn,
 )
 from .discovery import Origin
-from .dispatch import Served, by_pass, empty_result, manual_axes_reasons, unavailable_message
-from .select import LOCAL_WORK, Agree, Explanation, Measured, Probe, Tuning, select
+from .dispatch import Served, by_pass, empty_result, manual_axes_judging, unavailable_message
+from .select import LOCAL_WORK, Agree, Explanation, Measured, Probe, Tuning, record, select
 
 #: Distinct call signatures one Attention remembers; older ones are evicted.
 SELECTION_CACHE_SIZE = 512
 
-#: The calls :func:`recording_calls` collects in this context (None: not recording).
-_recorded: ContextVar[list[AttentionCall] | None] = ContextVar("attn_backends_recorded",
-                                                               default=None)
-
-
-@contextlib.contextmanager
-def recording_calls() -> Iterator[list[AttentionCall]]:
-    """Collect, in order and once each, the contract call of every attention call
-    made (or traced) inside: what ``attn-backends tune`` times for a program."""
-    calls: list[AttentionCall] = []
-    token = _recorded.set(calls)
-    try:
-        yield calls
-    finally:
-        _recorded.reset(token)
-
-
 #: The layouts of q, k, v (and the output) an Attention takes: ``registry.get(layout=)``.
 #: BTNH is the contract's ``[B, T, H, D]``; BHTD is PyTorch's ``[B, H, T, D]``.
 LAYOUTS = ("BTNH", "BHTD")
-
-
-def _swap_heads_and_length(x: Any) -> Any:
-    """``[B, T, H, D]`` <-> ``[B, H, T, D]``: an array, tracer or ShapeDtypeStruct
-    (whose sharding, if any, is permuted with it)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.eval_shape(lambda y: y.transpose(0, 2, 1, 3), x)
-    return x.transpose(0, 2, 1, 3)
-
-
-def _to_contract_layout(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
-    """BHTD q, k, v -> BTNH. A wrong rank is a ValueError in BHTD's terms; what is
-    not an array is passed on, for :func:`bind` to refuse by name."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if hasattr(x, "shape") and len(x.shape) != 4:
-            raise ValueError(
-                f"{name}: expected rank 4 [B, H, T, D] (layout='BHTD'), "
-                f"got shape {list(x.shape)}"
-            )
-    q, k, v = (_swap_heads_and_length(x) if hasattr(x, "shape") else x for x in (q, k, v))
-    return q, k, v
 
 
 @dataclass(frozen=True)
@@ -137,13 +97,6 @@ class ParallelLayer(Protocol):
 
     def explain(self, single: SingleDevice, request: Hashable | None, call: AttentionCall,
                 q: Any, k: Any, v: Any) -> Explanation: ...
-
-
-def _inside_shard_map(q: Any, k: Any, v: Any) -> dict[str, Any]:
-    """Selection's extra judging for q, k, v that vary over a user's shard_map's
-    manual axes (check_vma=True): backends not claiming ``check_vma`` are passed over."""
-    manual = varying_axes(q, k, v)
-    return {"reasons_for": manual_axes_reasons(manual)} if manual else {}
 
 
 class Attention:
@@ -278,14 +231,16 @@ class Attention:
         ``grad``: the choice for the call differentiated, which differs only when a
         tuning table timed its backward pass to another winner."""
         if self.layout == "BHTD":
-            q, k, v = _to_contract_layout(q, k, v)
+            from .bhtd import to_contract_layout
+
+            q, k, v = to_contract_layout(q, k, v)
         call, operands = bind(q, k, v, **kwargs)
         where = functools.partial(self._is_local, call, q, k, v, operands)
         if self._goes_parallel(q):
             return self._parallel_layer().explain(self._single_device(where), self.sharding,
                                                   call, q, k, v)
         return self.explain_call(call, grad=grad and self._tuned_apart(call, self.platform),
-                                 local=where(None), **_inside_shard_map(q, k, v))
+                                 local=where(None), **manual_axes_judging(varying_axes(q, k, v)))
 
     def backend_for(self, call: AttentionCall, platform: str | None = None,
                     grad: bool = False, *, local: bool = False,
@@ -297,7 +252,7 @@ class Attention:
         ``manual``, inside a user's shard_map whose manual axes q, k, v vary over."""
         platform = self.platform if platform is None else platform
         key = "grad" if grad else None
-        judging = {"reasons_for": manual_axes_reasons(manual)} if manual else {}
+        judging = manual_axes_judging(manual)
         return self._choose(call, (key, "check_vma") if manual else key,
                             lambda: self.explain_call(call, platform=platform, grad=grad,
                                                       local=local, **judging),
@@ -383,19 +338,18 @@ class Attention:
             return self._attend(q, k, v, **kwargs)
         # Transposed in and out: under jit XLA gives the backend's matmuls these
         # dimension orders (docs/DESIGN.md, section 2, says what compiles).
-        q, k, v = _to_contract_layout(q, k, v)
-        result = self._attend(q, k, v, **kwargs)
+        from .bhtd import swap_heads_and_length, to_contract_layout
+
+        result = self._attend(*to_contract_layout(q, k, v), **kwargs)
         if return_lse:
             out, lse = result
-            return _swap_heads_and_length(out), lse
-        return _swap_heads_and_length(result)
+            return swap_heads_and_length(out), lse
+        return swap_heads_and_length(result)
 
     def _attend(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
         """The call in the contract's BTNH layout."""
         call, operands = bind(q, k, v, **kwargs)
-        recording = _recorded.get()
-        if recording is not None and call not in recording:
-            recording.append(call)
+        record(call)
         if call.is_empty:
             with jax.named_scope("attn/empty"):
                 return empty_result(call, q)

@@ -257,6 +257,13 @@ def manual_axes_reasons(axes: frozenset[str]) -> Callable[[Backend], list[str]]:
     return reasons
 
 
+def manual_axes_judging(axes: frozenset[str]) -> dict[str, Any]:
+    """:func:`~attn_backends.select`'s extra judging for a call whose q, k, v vary
+    over the manual ``axes`` (empty: none): backends not claiming ``check_vma``
+    are passed over, with :func:`manual_axes_reasons`."""
+    return {"reasons_for": manual_axes_reasons(axes)} if axes else {}
+
+
 def refuse(backend: str, call: AttentionCall, reasons: Sequence[str]) -> None:
     """Raise ``UnsupportedError("backend NAME cannot serve CALL: R1; R2")`` when
     there are ``reasons``."""

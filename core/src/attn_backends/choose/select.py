@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,6 +19,30 @@ from ..contract.paged import PagedCall
 #: ``options`` are the caller's options for that backend (None: defaults). The
 #: registry's default is :class:`attn_backends.probe.prober.Prober`.
 Probe = Callable[[Backend, AttentionCall, str, Any], "list[str] | None"]
+
+
+#: The calls :func:`recording_calls` collects in this context (None: not recording).
+_recorded: ContextVar[list[AttentionCall] | None] = ContextVar("attn_backends_recorded",
+                                                               default=None)
+
+
+@contextlib.contextmanager
+def recording_calls() -> Iterator[list[AttentionCall]]:
+    """Collect, in order and once each, the contract call of every attention call
+    made (or traced) inside: what ``attn-backends tune`` times for a program."""
+    calls: list[AttentionCall] = []
+    token = _recorded.set(calls)
+    try:
+        yield calls
+    finally:
+        _recorded.reset(token)
+
+
+def record(call: AttentionCall) -> None:
+    """Note ``call`` for :func:`recording_calls`, when it is recording."""
+    recording = _recorded.get()
+    if recording is not None and call not in recording:
+        recording.append(call)
 
 
 @dataclass(frozen=True)

@@ -238,7 +238,7 @@ def signatures_of(fn: Callable[..., Any], *args: Any, passes: Sequence[bool] = (
     (False: forward; True: forward and backward)."""
     import jax
 
-    from ..choose.attention import recording_calls
+    from ..choose.select import recording_calls
 
     with recording_calls() as calls:
         jax.jit(fn).trace(*args, **kwargs)

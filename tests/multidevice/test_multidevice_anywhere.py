@@ -61,6 +61,7 @@ CASES: dict[str, tuple[tuple[AxisType, ...], str, str]] = {
     "explicit-no-context": ((E, E), "none", "nothing"),
     "explicit-set_mesh": ((E, E), "set_mesh", "nothing"),
     "explicit-no-context-spec-given": ((E, E), "none", "spec"),
+    "auto-no-context": ((A, A), "none", "nothing"),
     "auto-with-mesh-legacy-spec-given": ((A, A), "with_mesh", "spec"),
     "auto-no-context-mesh-and-spec-given": ((A, A), "none", "mesh_and_spec"),
     "mixed-no-context": ((E, A), "none", "nothing"),

@@ -10,6 +10,8 @@ the ``reference`` backend measured in the same run.
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +20,7 @@ from typing import Any
 
 from ..contract.call import bind
 from ..contract.errors import AttnBackendsError
+from .text import table as _table
 
 
 @dataclass(frozen=True)
@@ -148,3 +151,64 @@ def plot(rows: Sequence[BenchRow], path: str, setup: str = "") -> None:
 
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def command(args: argparse.Namespace, registry: Any) -> int:
+    """`attn-backends bench ...` with its parsed ``args``: print the table (or JSON,
+    or a plot); 2 when nothing could be timed."""
+    from ..contract.environment import resolve
+
+    platform, present = resolve(args.device)
+    if not present:
+        print(f"attn-backends bench: JAX sees no {platform} here", file=sys.stderr)
+        return 2
+    seqs = list(args.seq)
+    if args.decode:
+        return _decode_command(args, registry, platform, seqs)
+    rows = run(
+        registry, platform,
+        backends=args.backends.split(",") if args.backends else None,
+        seqs=seqs, heads=args.heads, head_dim=args.head_dim,
+        dtype=args.dtype, causal=not args.no_causal, reps=args.reps,
+    )
+    if not rows:
+        print("attn-backends bench: nothing was timed: none of the backends asked for can "
+              "serve these calls here (attn-backends explain says why)", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(as_dicts(rows), indent=2))
+    else:
+        table = [[r.backend, str(r.seq), r.kind, f"{r.ms:.2f}",
+                  "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"] for r in rows]
+        print(_table(table, ["backend", "S", "pass", "best ms", "reference / backend"]))
+    if args.plot:
+        from ..contract.environment import device_kind
+
+        plot(rows, args.plot, setup_label(
+            heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+            causal=not args.no_causal, platform=platform, device_kind=device_kind(platform)))
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _decode_command(args: argparse.Namespace, registry: Any, platform: str,
+                    kv_lens: list[int]) -> int:
+    from .bench_decode import run_decode
+
+    rows = run_decode(
+        registry, platform, backends=args.backends.split(",") if args.backends else None,
+        kv_lens=kv_lens, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+        reps=args.reps,
+    )
+    if not rows:
+        print("attn-backends bench --decode: nothing was timed: none of the backends asked "
+              "for can serve these calls here (attn-backends explain says why)", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+        return 0
+    table = [[r.backend, str(r.kv_len), f"{r.ms:.2f}", f"{100 * r.bandwidth_share:.0f}%",
+              "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"] for r in rows]
+    print(_table(table, ["backend", "Tk", "best ms", "of jnp.sum bandwidth",
+                         "reference / backend"]))
+    return 0

@@ -213,64 +213,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..contract.environment import resolve
     from . import bench as _bench
 
-    platform, present = resolve(args.device)
-    if not present:
-        print(f"attn-backends bench: JAX sees no {platform} here", file=sys.stderr)
-        return 2
-    seqs = list(args.seq)
-    if args.decode:
-        return _bench_decode(args, platform, seqs)
-    rows = _bench.run(
-        _registry(), platform,
-        backends=args.backends.split(",") if args.backends else None,
-        seqs=seqs, heads=args.heads, head_dim=args.head_dim,
-        dtype=args.dtype, causal=not args.no_causal, reps=args.reps,
-    )
-    if not rows:
-        print("attn-backends bench: nothing was timed: none of the backends asked for can "
-              "serve these calls here (attn-backends explain says why)", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(_bench.as_dicts(rows), indent=2))
-    else:
-        table = [[r.backend, str(r.seq), r.kind, f"{r.ms:.2f}",
-                  "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"] for r in rows]
-        print(_table(table, ["backend", "S", "pass", "best ms", "reference / backend"]))
-    if args.plot:
-        from ..contract.environment import device_kind
-
-        _bench.plot(rows, args.plot, _bench.setup_label(
-            heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
-            causal=not args.no_causal, platform=platform, device_kind=device_kind(platform)))
-        print(f"plot written to {args.plot}", file=sys.stderr)
-    return 0
-
-
-def _bench_decode(args: argparse.Namespace, platform: str, kv_lens: list[int]) -> int:
-    from dataclasses import asdict
-
-    from .bench_decode import run_decode
-
-    rows = run_decode(
-        _registry(), platform, backends=args.backends.split(",") if args.backends else None,
-        kv_lens=kv_lens, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
-        reps=args.reps,
-    )
-    if not rows:
-        print("attn-backends bench --decode: nothing was timed: none of the backends asked "
-              "for can serve these calls here (attn-backends explain says why)", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps([asdict(r) for r in rows], indent=2))
-        return 0
-    table = [[r.backend, str(r.kv_len), f"{r.ms:.2f}", f"{100 * r.bandwidth_share:.0f}%",
-              "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"] for r in rows]
-    print(_table(table, ["backend", "Tk", "best ms", "of jnp.sum bandwidth",
-                         "reference / backend"]))
-    return 0
+    return _bench.command(args, _registry())
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

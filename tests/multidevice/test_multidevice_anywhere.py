@@ -204,3 +204,44 @@ def test_paged_with_a_sharded_cache_and_no_mesh_context(md_registry, name, types
     out = _run(mode, served.__call__, q, pool, case.batch())
     np.testing.assert_allclose(np.asarray(out), case.expected(), atol=2e-5)
     assert out.sharding.is_equivalent_to(heads, 3)
+
+
+PAGED_CALL = dict(num_q_heads=HQ // 4, num_kv_heads=HKV // 4, head_dim=16, page_size=4,
+                  dtype="float32")
+
+
+def _paged_backends() -> list[str]:
+    import attn_backends as ab
+    from _paged_support import paged_servers
+
+    return paged_servers(ab.Registry(probe=None), "cpu", **PAGED_CALL)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("name", _paged_backends())
+def test_paged_inside_the_users_shard_map(md_registry, name, check_vma, mode):
+    # A serving engine's own shard_map over the kv heads: each device's paged call
+    # sees its heads of q and of the cache (the batch replicated).
+    import jax.numpy as jnp
+    from _paged_support import paged_case
+
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(A,), devices=jax.devices()[:4])
+    paged = md_registry.get_paged(device="cpu", backend=name, **PAGED_CALL)
+    case = paged_case([(5, 5), (3, 9), (1, 13), (0, 6)], page_size=4, hq=HQ, hkv=HKV, d=16,
+                      pad_rows=2)
+
+    def step(q: Any, k_pages: Any, v_pages: Any, batch: Any) -> Any:
+        return paged(q, paged.from_canonical(k_pages, v_pages), batch)
+
+    heads = P(None, None, "tp", None)
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(None, "tp"), heads, heads, P()),
+                           out_specs=P(None, "tp"), check_vma=check_vma)
+    args = (jnp.asarray(case.q), jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
+            case.batch())
+    if check_vma and not paged.backend.paged_capabilities.check_vma:
+        with pytest.raises(UnsupportedError, match="check_vma=False to that shard_map"):
+            _run(mode, mapped, *args)
+        return
+    out = _run(mode, mapped, *args)
+    np.testing.assert_allclose(np.asarray(out), case.expected(), atol=2e-5)

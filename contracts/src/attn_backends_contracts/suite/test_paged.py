@@ -179,6 +179,40 @@ def test_paged_write(attn_suite: Any, attn_paged_dtype: Any) -> None:
 
 
 @family("paged")
+def test_paged_in_shard_map(attn_suite: Any, attn_paged_dtype: Any) -> None:
+    """Inside a user's ``jax.shard_map`` with ``check_vma=True`` (one device, so q and
+    the cache vary over its manual axis): claimed (``PagedCapabilities.check_vma``),
+    the output equals the oracle; unclaimed, a clean UnsupportedError naming the fix."""
+    from attn_backends import UnsupportedError
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    suite, case = attn_suite, _applies(attn_paged_dtype)
+    with x64_for(case.dtype):
+        paged = _paged(suite, case)
+        clean = _batch_case(case, garbage=False)
+        device = jax.local_devices(backend=suite.platform)[0]
+        mesh = Mesh(np.array([device]), ("user",), axis_types=(jax.sharding.AxisType.Auto,))
+
+        def step(q: Any, k_pages: Any, v_pages: Any, batch: Any) -> Any:
+            return paged(q, paged.from_canonical(k_pages, v_pages), batch)
+
+        heads = P(None, None, "user", None)  # the kv heads of K and V [pages, ps, Hkv, D]
+        mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(None, "user"), heads, heads,
+                                                                   P()),
+                                       out_specs=P(None, "user"), check_vma=True))
+        args = [jnp.asarray(_cast(x, case.dtype)) for x in (clean.q, clean.k_pages, clean.v_pages)]
+        if not suite.backend.paged_capabilities.check_vma:
+            with pytest.raises(UnsupportedError, match="check_vma=False"):
+                mapped(*args, clean.batch())
+            return
+        got = _f64(mapped(*args, clean.batch()))
+        want = _expected(paged, clean, case.dtype)
+    wrong = compare("out", got, want, tolerance(case.dtype, "out", platform=suite.platform))
+    assert wrong is None, f"{case.id} in shard_map: {wrong}"
+
+
+@family("paged")
 def test_paged_round_trip(attn_suite: Any, attn_paged_dtype: Any) -> None:
     """The layout's round trip through the canonical view is exact both ways (the
     bits of NaN and Inf too), and the cache names the backend's layout."""

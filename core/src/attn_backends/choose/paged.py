@@ -17,6 +17,7 @@ import numpy as np
 
 from ..contract.backend import Backend
 from ..contract.capabilities import in_range
+from ..contract.environment import varying_axes
 from ..contract.errors import (
     AgreementError,
     FallbackWarning,
@@ -28,7 +29,6 @@ from ..contract.errors import (
 from ..contract.paged import KVCache, PagedBackend, PagedBatch, PagedCall
 from ..contract.paged_bind import check_attend, check_batch_values, check_cache, check_write
 from .dispatch import on_platforms, unavailable_message
-from .local import require_local, spans
 from .select import Explanation, Verdict, rank
 
 #: ``probe(backend, call, platform, options) -> reasons`` for paged calls (None:
@@ -196,7 +196,9 @@ class PagedAttention:
     def _require_local(self, what: str, cache: Any, **arrays: Any) -> None:
         """Refuse a local paged attention's ``what`` on ``arrays`` or ``cache``
         (checked after this) that span processes, before anything is traced."""
-        if self.local:
+        if self.local:  # a multi-process run's: choose/local.py is loaded there
+            from .local import require_local, spans
+
             arrays.update({f"cache[{i}]": a
                            for i, a in enumerate(getattr(cache, "arrays", ()))})
             require_local(f"paged attention {self.call.describe()} ({what})", spans(arrays))
@@ -255,6 +257,14 @@ class PagedAttention:
         if all(x is not None for x in known):
             cu, kv, table, num = known
             check_batch_values(self.call, q.shape[0], cache.num_pages, cu, kv, table, int(num))
+        manual = varying_axes(q, *cache.arrays)
+        if manual and not self._paged.paged_capabilities.check_vma:
+            raise UnsupportedError(
+                f"paged attention {self.call.describe()}: its backend {self.backend.name!r} "
+                f"cannot run where q and the cache vary over the manual axes {sorted(manual)} "
+                "of a jax.shard_map with check_vma=True (PagedCapabilities.check_vma is not "
+                "claimed): pass check_vma=False to that shard_map, or get the paged attention "
+                "with a backend that claims it (registry.get_paged(backend=...))")
         call = dataclasses.replace(self.call, platform=self.explanation.platform)
         q, arrays = self._guard(q, cache.arrays)
         static = (cache.layout, cache.page_size, cache.num_pages)

@@ -154,6 +154,9 @@ class PagedCapabilities:
     gqa: bool = False
     softcap: bool = False
     window: bool = False
+    #: Runs inside a user's ``jax.shard_map`` with ``check_vma=True``, as
+    #: ``Capabilities.check_vma``; a call there is refused when not claimed.
+    check_vma: bool = False
     jax_versions: str = ""
 
     def __post_init__(self) -> None:

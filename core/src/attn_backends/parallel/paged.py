@@ -22,7 +22,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..choose.local import require_local, spans
 from ..choose.paged import PagedAttention, choose_paged, select_paged
 from ..contract.paged import KVCache, PagedBatch, PagedCall
 
@@ -152,7 +151,9 @@ def shard_paged_heads(paged: PagedAttention, mesh: Any, axis: str) -> HeadsShard
     """
     if axis not in mesh.shape:
         raise ValueError(f"axis: expected one of the mesh's axes {list(mesh.shape)}, got {axis!r}")
-    if paged.local:
+    if paged.local:  # a multi-process run's: choose/local.py is loaded there
+        from ..choose.local import require_local, spans
+
         require_local(f"paged attention {paged.call.describe()} split over {axis!r}",
                       spans({}, [(mesh, "the mesh")]))
     n = int(mesh.shape[axis])

@@ -32,11 +32,11 @@ def _attributes(call: AttentionCall, operands: Operands, threads: int) -> tuple:
     )
 
 
-def _results(like: Any, *shapes: tuple[tuple[int, ...], Any]) -> tuple[Any, ...]:
-    """The handler's result types: inside a user's ``jax.shard_map`` they vary over
-    the manual axes ``like`` varies over (``ffi_call`` types them invariant
-    otherwise, and the gradient of an output typed invariant is summed over the
-    devices), elsewhere plain."""
+def ffi_results(like: Any, *shapes: tuple[tuple[int, ...], Any]) -> tuple[Any, ...]:
+    """A handler's result types, one per (shape, dtype) of ``shapes``: inside a
+    user's ``jax.shard_map`` they vary over the manual axes ``like`` varies over
+    (``ffi_call`` types them invariant otherwise, and the gradient of an output
+    typed invariant is summed over the devices), elsewhere plain."""
     aval = jax.typeof(like)
     if aval.manual_axis_type.varying:  # on the enclosing (manual) mesh, replicated
         mesh = aval.sharding.mesh
@@ -49,7 +49,7 @@ def _results(like: Any, *shapes: tuple[tuple[int, ...], Any]) -> tuple[Any, ...]
 def _forward_call(attrs: tuple, q: Any, k: Any, v: Any, q_lengths: Any, kv_lengths: Any):
     b, tq, hq, _ = q.shape
     q, k, v, q_lengths, kv_lengths = vary_like((q, k, v, q_lengths, kv_lengths), q, k, v)
-    shapes = _results(q, ((b, tq, hq, v.shape[-1]), q.dtype), ((b, hq, tq), jnp.float32))
+    shapes = ffi_results(q, ((b, tq, hq, v.shape[-1]), q.dtype), ((b, hq, tq), jnp.float32))
     run = jax.ffi.ffi_call(TARGETS["forward"][1], shapes, vmap_method="sequential")
     return run(q, k, v, q_lengths, kv_lengths, **dict(attrs))
 
@@ -67,7 +67,7 @@ def _attention_fwd(attrs, q, k, v, q_lengths, kv_lengths):
 def _attention_bwd(attrs, residuals, cotangents):
     q, k, v, out, lse, q_lengths, kv_lengths = residuals
     d_out, d_lse = vary_like(cotangents, q)
-    shapes = _results(q, *((x.shape, x.dtype) for x in (q, k, v)))
+    shapes = ffi_results(q, *((x.shape, x.dtype) for x in (q, k, v)))
     run = jax.ffi.ffi_call(TARGETS["backward"][1], shapes, vmap_method="sequential")
     dq, dk, dv = run(q, k, v, out, lse, d_out.astype(q.dtype), d_lse.astype(jnp.float32),
                      q_lengths, kv_lengths, **dict(attrs))

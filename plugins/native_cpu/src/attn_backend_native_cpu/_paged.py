@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from attn_backends import KVCache, PagedBatch, PagedCall, UnsupportedError
+from attn_backends.authoring import vary_like
 
+from ._kernel import ffi_results
 from ._library import TARGETS, load_error
 
 
@@ -20,9 +22,9 @@ def paged_attention(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
     reason = load_error()
     if reason is not None:
         raise UnsupportedError(f"native_cpu cannot run: {reason}")
-    k_pages, v_pages = cache.arrays
+    q, k_pages, v_pages = vary_like((q, *cache.arrays), q, *cache.arrays)
     left = -1 if call.window is None else call.window[0]
-    run = jax.ffi.ffi_call(TARGETS["paged"][1], jax.ShapeDtypeStruct(q.shape, q.dtype),
+    run = jax.ffi.ffi_call(TARGETS["paged"][1], ffi_results(q, (q.shape, q.dtype))[0],
                            vmap_method="sequential")
     as_i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
     return run(q, k_pages, v_pages, as_i32(batch.cu_q_lens), as_i32(batch.kv_lens),

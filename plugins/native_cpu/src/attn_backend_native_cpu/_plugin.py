@@ -55,7 +55,7 @@ class NativeCpuBackend(Backend, PagedBackend):
     # and the canonical round trip are PagedBackend's canonical-layout defaults.
     paged_capabilities = PagedCapabilities(platforms={"cpu"}, dtypes={"float32", "bfloat16"},
                                            gqa=True, softcap=True, window=True,
-                                           jax_versions=">=0.10,<0.13")
+                                           check_vma=True, jax_versions=">=0.10,<0.13")
 
     def check(self, call: AttentionCall) -> list[str]:
         """The library's load failure, if any (it loads here, on the first call)."""

@@ -36,7 +36,8 @@ class ReferenceBackend(Backend, PagedBackend):
     # Any page size, head dim and batch shape; init_cache, write and the
     # canonical round trip are PagedBackend's canonical-layout defaults.
     paged_capabilities = PagedCapabilities(platforms=PLATFORMS, dtypes=CLAIMABLE_DTYPES,
-                                           gqa=True, softcap=True, window=True)
+                                           gqa=True, softcap=True, window=True,
+                                           check_vma=True)
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                options: Any = None) -> Any:

@@ -44,6 +44,7 @@ PAGED_MANIFEST = PagedCapabilities(
     gqa=True,
     softcap=True,
     window=True,
+    check_vma=True,
     jax_versions=">=0.10,<0.13",
 )
 

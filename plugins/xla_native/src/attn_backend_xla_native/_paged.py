@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from attn_backends import KVCache, PagedBatch, PagedCall
+from attn_backends.authoring import vary_like
 from jax import lax
 
 from ._config import PagedConfig
@@ -98,7 +99,7 @@ def paged_attention(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
                     config: PagedConfig) -> Any:
     """q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` (q's dtype); rows no sequence owns: zeros."""
     rows, seqs = q.shape[0], batch.kv_lens.shape[0]
-    out = jnp.zeros_like(q)
+    out = vary_like(jnp.zeros_like(q), q, *cache.arrays)
     if rows == 0 or seqs == 0:
         return out
     q_lens = _q_lens(batch)
@@ -205,8 +206,9 @@ def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: 
             "hnrl,hnld->hnrd", weights, values.astype(wide), precision=lax.Precision.HIGHEST)
         return b + 1, new_peak, total, acc
 
-    state = (lo, jnp.full(shape, -jnp.inf, wide), jnp.zeros(shape, wide),
-             jnp.zeros((*shape, dim), wide))
+    # Inside a user's shard_map the accumulators vary as q and the cache do.
+    state = (lo, *vary_like((jnp.full(shape, -jnp.inf, wide), jnp.zeros(shape, wide),
+                             jnp.zeros((*shape, dim), wide)), qg, k_pages, v_pages))
     _, _, total, acc = lax.while_loop(lambda s: s[0] < hi, body, state)
     out = acc / jnp.where(total > 0, total, 1)[..., None]
     out = out.reshape(heads, count, size, group, dim).transpose(1, 2, 0, 3, 4)

@@ -63,7 +63,7 @@ class XlaNativeBackend(Backend, HeadsFirstPagedBackend):
     # the canonical round trip are core's heads_first layout's.
     paged_capabilities = PagedCapabilities(platforms=PLATFORMS, dtypes=CLAIMABLE_DTYPES,
                                            gqa=True, softcap=True, window=True,
-                                           jax_versions=">=0.10,<0.13")
+                                           check_vma=True, jax_versions=">=0.10,<0.13")
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                options: Any = None) -> Any:

@@ -55,8 +55,7 @@ def _legacy(mesh: jax.sharding.Mesh) -> Iterator[None]:
             yield
 
 
-#: name -> (mesh axis types, context, what registry.get is given, the layout
-#: the output must have: the input's, or None for shard_map's own out_specs).
+#: name -> (mesh axis types, the mesh context, what registry.get is given).
 CASES: dict[str, tuple[tuple[AxisType, ...], str, str]] = {
     "explicit-no-context": ((E, E), "none", "nothing"),
     "explicit-set_mesh": ((E, E), "set_mesh", "nothing"),
@@ -65,6 +64,8 @@ CASES: dict[str, tuple[tuple[AxisType, ...], str, str]] = {
     "auto-with-mesh-legacy-spec-given": ((A, A), "with_mesh", "spec"),
     "auto-no-context-mesh-and-spec-given": ((A, A), "none", "mesh_and_spec"),
     "mixed-no-context": ((E, A), "none", "nothing"),
+    "mixed-no-context-spec-given": ((E, A), "none", "spec"),
+    "mixed-set_mesh-mesh-and-spec-given": ((E, A), "set_mesh", "mesh_and_spec"),
 }
 
 
@@ -142,6 +143,60 @@ def test_attention_inside_the_users_shard_map(md_registry, name, check_vma, mode
     want = oracle(q, k, v, causal=True, kv_lengths=lengths)[0]
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("types", [(E, E), (A, A)], ids=["explicit", "auto"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_inside_a_shard_map_over_some_axes_the_others_are_still_sharded(md_registry, name,
+                                                                       types, check_vma):
+    # The user's shard_map is manual over "dp" only; q, k, v are also split over
+    # "tp", which attention still sees as a sharding (its own map or XLA's).
+    mesh = _mesh(*types)
+    att = md_registry.get(device="cpu", backend=name, **({} if types[1] == E else
+                                                        {"spec": P(None, None, "tp", None)}))
+    q, k, v = _inputs(BACKENDS.index(name) + 100)
+    sharding = NamedSharding(mesh, SPEC)
+    args = [jax.device_put(x, sharding) for x in (q, k, v)]
+    mapped = jax.jit(jax.shard_map(lambda q, k, v: att(q, k, v, causal=True), mesh=mesh,
+                                   in_specs=P("dp"), out_specs=P("dp"), axis_names={"dp"},
+                                   check_vma=check_vma))
+    if check_vma and name in NO_VMA:
+        with pytest.raises(UnsupportedError, match="check_vma=False to that shard_map"):
+            mapped(*args)
+        return
+    out = mapped(*args)
+    np.testing.assert_allclose(np.asarray(out), oracle(q, k, v, causal=True)[0], atol=2e-5)
+
+
+@pytest.mark.parametrize("layout", ["alike", "q-over-sequence"])
+@pytest.mark.parametrize("name", [n for n in BACKENDS if n not in NO_VMA])
+def test_gradients_inside_the_users_shard_map(md_registry, name, layout):
+    # jax.grad through the user's shard_map against the oracle's VJP, on 4 devices.
+    # "alike": q, k, v split over batch and heads. "q-over-sequence": q's rows
+    # split over "sp", k and v replicated over it, so each device's dk and dv are
+    # partial and JAX must sum them over "sp" (the transpose of core's cast).
+    from attn_backends_contracts._oracle import attention_vjp as oracle_vjp
+
+    att = md_registry.get(device="cpu", backend=name)
+    q, k, v = _inputs(BACKENDS.index(name) + 80)
+    d_out = np.random.default_rng(81).standard_normal(q.shape).astype(np.float32)
+    if layout == "alike":
+        mesh = _mesh(A, A)
+        q_spec = kv_spec = P("dp", None, "tp", None)
+    else:
+        mesh = jax.make_mesh((2, 2), ("dp", "sp"), axis_types=(A, A), devices=jax.devices()[:4])
+        q_spec, kv_spec = P("dp", "sp", None, None), P("dp", None, None, None)
+    mapped = jax.shard_map(lambda q, k, v: att(q, k, v), mesh=mesh,
+                           in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
+
+    def loss(q: Any, k: Any, v: Any) -> Any:
+        return (mapped(q, k, v) * d_out).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = oracle_vjp(q, k, v, d_out)
+    for got, key in zip(grads, "qkv", strict=True):
+        np.testing.assert_allclose(np.asarray(got), want[key], atol=1e-4, err_msg=key)
 
 
 def test_a_backend_that_cannot_run_in_shard_map_is_passed_over_loudly(md_registry):

@@ -118,18 +118,22 @@ def test_shard_map(attn_suite: Any) -> None:
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(d_out.astype(out.dtype))
 
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("user"),
-                           out_specs=PartitionSpec("user"), check_vma=True)
     args = (data["q"], data["k"], data["v"], d_out)
-    if not caps.check_vma:
-        with pytest.raises(UnsupportedError, match="check_vma=False"):
-            jax.jit(mapped)(*args)
-        return
-    out, grads = compiled(mapped, *args)(*args)
     expected = oracle(case, data, differentiable=caps.differentiable)
-    _check(attn_suite, case, "out", out, expected["out"], "in shard_map")
-    for name, g in zip(("dq", "dk", "dv"), grads, strict=True):
-        _check(attn_suite, case, name, g, expected[name], "in shard_map")
+    # k and v vary as q does, or are replicated (invariant) beside a varying q.
+    split, whole = PartitionSpec("user"), PartitionSpec()
+    for how, kv in (("in shard_map", split), ("in shard_map, k and v replicated", whole)):
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(split, kv, kv, split),
+                               out_specs=(split, (split, kv, kv) if caps.differentiable else ()),
+                               check_vma=True)
+        if not caps.check_vma:
+            with pytest.raises(UnsupportedError, match="check_vma=False"):
+                jax.jit(mapped)(*args)
+            continue
+        out, grads = compiled(mapped, *args)(*args)
+        _check(attn_suite, case, "out", out, expected["out"], how)
+        for name, g in zip(("dq", "dk", "dv"), grads, strict=True):
+            _check(attn_suite, case, name, g, expected[name], how)
 
 
 @family("determinism")

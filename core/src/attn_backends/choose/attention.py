@@ -240,7 +240,8 @@ class Attention:
             return self._parallel_layer().explain(self._single_device(where), self.sharding,
                                                   call, q, k, v)
         return self.explain_call(call, grad=grad and self._tuned_apart(call, self.platform),
-                                 local=where(None), **manual_axes_judging(varying_axes(q, k, v)))
+                                 local=where(None),
+                                 **manual_axes_judging(varying_axes(q, k, v, operands)))
 
     def backend_for(self, call: AttentionCall, platform: str | None = None,
                     grad: bool = False, *, local: bool = False,
@@ -369,7 +370,7 @@ class Attention:
                 )
             return self._parallel_layer().run(self._single_device(where), self.sharding,
                                               call, q, k, v, operands)
-        local, manual = where(None), varying_axes(q, k, v)
+        local, manual = where(None), varying_axes(q, k, v, operands)
         served = {p: self.backend_for(call, platform=p, local=local, manual=manual)
                   for p, _ in self.platforms}
         forward = Served.of(served, self.backend_options)

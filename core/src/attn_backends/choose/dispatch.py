@@ -141,7 +141,8 @@ class Served:
                 served = backend.capabilities.served_call(call)
                 operands = served_operands(call, served, operands)
                 refuse_unclaimed(backend, served)
-                refuse(backend.name, served, manual_axes_reasons(varying_axes(q, k, v))(backend))
+                refuse(backend.name, served,
+                       manual_axes_reasons(varying_axes(q, k, v, operands))(backend))
                 q, k, v, operands = guard_gradients(backend, q, k, v, operands)
                 operands = lengths_in_range(served, operands)
                 with jax.named_scope(f"attn/{backend.name}"):
@@ -149,6 +150,13 @@ class Served:
                                           v, operands, options.get(backend.name))
             return run
 
+        # Inside a user's shard_map: q, k, v and bias vary over every manual axis
+        # any input does, before the backend (and its custom_vjp) sees them. A k
+        # replicated over an axis q is split over gets, from this cast's
+        # transpose, its gradient summed over that axis, as the contract says.
+        differentiable = (q, k, v, operands.bias)
+        q, k, v, bias = vary_like(differentiable, *differentiable, operands)
+        operands = operands._replace(bias=bias)
         branches = {platform: branch(platform, backend) for platform, backend in self.backends}
         return on_platforms(branches, lambda q, *_: empty_result(call, q), q, k, v, operands)
 

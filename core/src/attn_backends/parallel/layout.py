@@ -148,8 +148,11 @@ def resolve_layout(request: ShardingRequest | None, q: Any, k: Any, v: Any) -> L
     spec = request.spec
     if spec is not None:
         for name, x in (("q", q), ("k", k), ("v", v)):
-            _, actual = _spec_from(name, x)
-            if actual is not None and any(actual) and _padded(actual) != _padded(spec):
+            own_mesh, actual = _spec_from(name, x)
+            # Under jit the type shows the Explicit axes only: compare those.
+            want = (_explicit_part(own_mesh, spec) if isinstance(x, jax.core.Tracer)
+                    and own_mesh is not None else spec)
+            if actual is not None and any(actual) and _padded(actual) != _padded(want):
                 raise ValueError(
                     f"{name}: sharded as {actual}, but spec={spec} was asked for; serving it "
                     "would move q, k, v between devices: reshard them first, or drop spec="
@@ -309,16 +312,28 @@ def place(layout: Layout, x: Any, spec: PartitionSpec) -> Any:
     return jax.sharding.reshard(x, explicit_sharding(layout, spec))
 
 
+def unmapped_axes(layout: Layout) -> frozenset[str]:
+    """The layout's mesh axes not already manual: inside a user's ``shard_map``
+    over some of them (``axis_names=``) the others are still this call's to map."""
+    return frozenset(a for a, t in zip(layout.mesh.axis_names, layout.mesh.axis_types,
+                                       strict=True) if t != jax.sharding.AxisType.Manual)
+
+
 def explicit_sharding(layout: Layout, spec: PartitionSpec) -> jax.sharding.NamedSharding:
     """``spec`` on the layout's mesh with its Auto axes left out: what a sharding in
     types (``reshard``, ``auto_axes``' out_sharding) may name on a mixed mesh."""
-    types = dict(zip(layout.mesh.axis_names, layout.mesh.axis_types, strict=True))
+    return jax.sharding.NamedSharding(layout.mesh, _explicit_part(layout.mesh, spec))
+
+
+def _explicit_part(mesh: Any, spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` naming only ``mesh``'s Explicit axes: what a tracer's type shows."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
 
     def kept(entry: Any) -> Any:
-        axes = tuple(a for a in _axes(entry) if types[a] == jax.sharding.AxisType.Explicit)
-        return layout.entry(axes)
+        axes = tuple(a for a in _axes(entry) if types.get(a) == jax.sharding.AxisType.Explicit)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
 
-    return jax.sharding.NamedSharding(layout.mesh, PartitionSpec(*map(kept, spec)))
+    return PartitionSpec(*map(kept, spec))
 
 
 def place_all(layout: Layout, specs: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -27,6 +27,7 @@ from .layout import (
     operand_specs,
     place_all,
     present,
+    unmapped_axes,
 )
 from .ring_run import explain_ring, ring_attention_call
 
@@ -49,8 +50,12 @@ def _split_fn(served: Served, call: AttentionCall, layout: Layout,
 
     spec = layout.qkv_spec
     in_specs = (spec, spec, spec, specs)
+    # Typed by the manual axes when every backend keeps that typing (check_vma):
+    # then it nests in a user's own shard_map over the mesh's other axes.
+    typed = all(backend.capabilities.check_vma for _, backend in served.backends)
     mapped = jax.shard_map(
-        body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=typed,
+        axis_names=unmapped_axes(layout),
     )
     return jax.jit(lambda *args: mapped(*place_all(layout, in_specs, args)))
 
@@ -84,7 +89,8 @@ def _run_partitioned(single: SingleDevice, backend: Backend, call: AttentionCall
     out = explicit_sharding(layout, layout.qkv_spec)
     if call.return_lse:
         out = (out, explicit_sharding(layout, layout.lse_spec))
-    return jax.sharding.auto_axes(run, out_sharding=out)(q, k, v, operands)
+    explicit = tuple(a for a in sorted(unmapped_axes(layout)) if _explicit(layout, [a]))
+    return jax.sharding.auto_axes(run, axes=explicit, out_sharding=out)(q, k, v, operands)
 
 
 def sharded_attention(single: SingleDevice, call: AttentionCall, layout: Layout,

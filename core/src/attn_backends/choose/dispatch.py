@@ -140,9 +140,7 @@ class Served:
                 # segment ids, or as its pairwise mask): Capabilities.served_call.
                 served = backend.capabilities.served_call(call)
                 operands = served_operands(call, served, operands)
-                refuse_unclaimed(backend, served)
-                refuse(backend.name, served,
-                       manual_axes_reasons(varying_axes(q, k, v, operands))(backend))
+                refuse_unclaimed(backend, served, manual)
                 q, k, v, operands = guard_gradients(backend, q, k, v, operands)
                 operands = lengths_in_range(served, operands)
                 with jax.named_scope(f"attn/{backend.name}"):
@@ -154,9 +152,10 @@ class Served:
         # any input does, before the backend (and its custom_vjp) sees them. A k
         # replicated over an axis q is split over gets, from this cast's
         # transpose, its gradient summed over that axis, as the contract says.
-        differentiable = (q, k, v, operands.bias)
-        q, k, v, bias = vary_like(differentiable, *differentiable, operands)
-        operands = operands._replace(bias=bias)
+        manual = varying_axes(q, k, v, operands)
+        if manual:
+            q, k, v, bias = vary_like((q, k, v, operands.bias), q, k, v, operands)
+            operands = operands._replace(bias=bias)
         branches = {platform: branch(platform, backend) for platform, backend in self.backends}
         return on_platforms(branches, lambda q, *_: empty_result(call, q), q, k, v, operands)
 
@@ -272,22 +271,21 @@ def manual_axes_judging(axes: frozenset[str]) -> dict[str, Any]:
     return {"reasons_for": manual_axes_reasons(axes)} if axes else {}
 
 
-def refuse(backend: str, call: AttentionCall, reasons: Sequence[str]) -> None:
-    """Raise ``UnsupportedError("backend NAME cannot serve CALL: R1; R2")`` when
-    there are ``reasons``."""
-    if reasons:
-        raise UnsupportedError(f"backend {backend!r} cannot serve {call.describe()}: "
-                               + "; ".join(reasons))
-
-
-def refuse_unclaimed(backend: Backend, call: AttentionCall) -> None:
-    """Raise UnsupportedError when ``call`` uses what ``backend``'s manifest does not claim.
+def refuse_unclaimed(backend: Backend, call: AttentionCall,
+                     manual: frozenset[str] = frozenset()) -> None:
+    """Raise UnsupportedError when ``call`` uses what ``backend``'s manifest does not
+    claim, or its q, k, v vary over the ``manual`` axes of a user's shard_map and
+    it does not claim ``check_vma``.
 
     Core's one home for this rule: every path that hands a call to
     ``backend.attend`` runs it first, so no backend needs its own copy and
     none can be handed a feature it would silently ignore.
     """
-    refuse(backend.name, call, backend.capabilities.unclaimed(call))
+    reasons = backend.capabilities.unclaimed(call) + manual_axes_reasons(manual)(backend)
+    if reasons:
+        raise UnsupportedError(
+            f"backend {backend.name!r} cannot serve {call.describe()}: " + "; ".join(reasons)
+        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

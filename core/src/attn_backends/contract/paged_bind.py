@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .call import _check_float, _check_scale, _check_softcap
+from .arguments import check_float, check_scale, check_softcap
 from .paged import KVCache, PagedBatch, PagedCall
 
 
@@ -55,13 +55,13 @@ def bind_paged(*, num_q_heads: Any, num_kv_heads: Any, head_dim: Any, page_size:
     except TypeError as exc:
         raise ValueError(f"dtype: expected a float dtype (float32, bfloat16, float16), "
                          f"got {dtype!r}") from exc
-    _check_float("dtype", name)
+    check_float("dtype", name)
     if max_q_len is not None:
         max_q_len = _static_int("max_q_len", max_q_len, low=1)
-    scale = _check_scale(scale, d)
+    scale = check_scale(scale, d)
     return PagedCall(q_heads=hq, kv_heads=hkv, head_dim=d,
                      page_size=_static_int("page_size", page_size, low=1), dtype=name,
-                     scale=scale, softcap=_check_softcap(softcap),
+                     scale=scale, softcap=check_softcap(softcap),
                      window=_paged_window(window), max_q_len=max_q_len)
 
 

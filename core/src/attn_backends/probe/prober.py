@@ -33,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..contract.arguments import bindable
 from ..contract.backend import Backend
-from ..contract.call import AttentionCall, bind, bindable
+from ..contract.call import AttentionCall, bind
 from ..contract.environment import device_kind, env_setting, seconds, versions
 from ..contract.paged import PagedCall
 from . import call as _probe_call

@@ -177,16 +177,12 @@ def gpu_target() -> Any:
 
 @contextlib.contextmanager
 def every_warning_an_error() -> Any:
-    """Every warning raises, but the load-time notice of a backend installed here for
-    another jax line: ejkernel_xla (ejkernel pins jax~=0.10.0) is installed in both
-    of make's environments, and on the jax 0.12 line each registry load says it will
-    not be selected (pyproject.toml's filterwarnings ignores the same one)."""
+    """Every warning raises (a backend installed for another jax line, ejkernel_xla
+    on jax 0.12, no longer warns at load unless ATTN_BACKENDS_ONLY names it)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warnings.filterwarnings("ignore", message="backend 'ejkernel_xla' supports jax",
-                                category=ab.PluginWarning)
         yield
 
 

@@ -9,7 +9,10 @@ installed plugins.
 from __future__ import annotations
 
 import importlib
+import logging
+import re
 import sys
+import warnings
 
 import attn_backends as ab
 import jax
@@ -180,14 +183,20 @@ def test_plugin_that_changes_jax_config_at_import_is_reported(site):
         jax.config.update("jax_default_matmul_precision", None)
 
 
-def test_backend_for_another_jax_is_skipped_with_both_versions(site):
+def test_backend_for_another_jax_is_skipped_with_both_versions(site, monkeypatch, caplog):
     make_dist(site, "attn-backend-old", "old", jax_versions=">=0.4,<0.5")
+    message = rf"backend 'old' supports jax >=0.4,<0.5, but jax {jax.__version__} is installed"
+    # Asked for by name: a warning at load.
+    monkeypatch.setenv("ATTN_BACKENDS_ONLY", "old,bystander")
+    with pytest.warns(ab.PluginWarning, match=message):
+        _ = ab.Registry().backends
+    # Not asked for: no warning (a user of other backends never sees it), logged.
+    monkeypatch.delenv("ATTN_BACKENDS_ONLY")
     reg = ab.Registry()
-    with pytest.warns(
-        ab.PluginWarning,
-        match=rf"backend 'old' supports jax >=0.4,<0.5, but jax {jax.__version__} is installed",
-    ):
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="attn_backends"):
+        warnings.simplefilter("error")
         _ = reg.backends
+    assert re.search(message, caplog.text)
     q = jax.ShapeDtypeStruct((1, 4, 2, 8), "float32")
     exp = reg.get(device="cpu").explain(q, q, q)
     verdict = next(v for v in exp.verdicts if v.backend == "old")

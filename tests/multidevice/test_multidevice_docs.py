@@ -31,10 +31,8 @@ def test_many_chips_example_runs(tmp_path, doc):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "ATTN_BACKENDS_CACHE_DIR": str(tmp_path)}
     env.pop("XLA_FLAGS", None)
     env.pop("ATTN_BACKENDS_PALLAS_INTERPRET", None)
-    # Every warning an error, but ejkernel_xla's notice on a jax line its pin
-    # excludes (tests/_support.py, every_warning_an_error).
-    done = subprocess.run([sys.executable, "-W", "error", "-W",
-                           "ignore:backend 'ejkernel_xla' supports jax", str(script)], env=env,
+    # Every warning an error.
+    done = subprocess.run([sys.executable, "-W", "error", str(script)], env=env,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sequence over sp (4): ring" in done.stdout

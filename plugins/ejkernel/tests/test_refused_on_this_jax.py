@@ -27,3 +27,16 @@ def test_explain_says_the_jax_range_refuses_it() -> None:
     strict = registry.get(device="cpu", backend="ejkernel_xla", fallback="error")
     with pytest.raises(ab.UnsupportedError, match=REASON.replace(".", r"\.")):
         jax.eval_shape(lambda q: strict(q, q, q, causal=True), q)
+
+
+def test_loading_says_nothing_and_list_names_the_refusal(capsys) -> None:
+    # (Named in ATTN_BACKENDS_ONLY, loading warns: tests/core/test_discovery.py.)
+    import warnings
+
+    from attn_backends.cli.main import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a user of other backends sees no warning
+        assert "ejkernel_xla" in ab.Registry().backends
+    assert main(["list"]) == 0
+    assert f"never selected here:\n  - ejkernel_xla: {REASON}" in capsys.readouterr().out

@@ -9,6 +9,7 @@ before anything is imported.
 
 from __future__ import annotations
 
+import logging
 import re
 import types
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,8 @@ from ..contract.capabilities import Capabilities
 from ..contract.environment import env_flag, env_setting
 from ..contract.errors import PluginConflictError, PluginError, PluginWarning, warn
 from .select import jax_range_reason
+
+logger = logging.getLogger("attn_backends")
 
 IN_PROCESS = "<in-process>"
 
@@ -275,12 +278,16 @@ class Loader:
         ):
             return f"backend {name!r}: priority must map platform names to ints, got {priority!r}"
         if jax_range_reason(item, self.jax_version):
-            # Registered (explain shows it rejected), but say so at load time.
-            warn(
-                f"backend {name!r} supports jax {item.capabilities.jax_versions}, but jax "
-                f"{self.jax_version} is installed: it will not be selected",
-                PluginWarning,
-            )
+            # Registered (explain and `attn-backends list` show it refused, with the
+            # reason). A warning at every load would reach users who never asked
+            # for it (a plugin installed beside others for another jax line), so
+            # it warns only when ATTN_BACKENDS_ONLY names it, and is logged otherwise.
+            message = (f"backend {name!r} supports jax {item.capabilities.jax_versions}, but "
+                       f"jax {self.jax_version} is installed: it will not be selected")
+            if self.settings.only is not None and name in self.settings.only:
+                warn(message, PluginWarning)
+            else:
+                logger.info(message)
         return None
 
     def finish(self) -> Discovered:

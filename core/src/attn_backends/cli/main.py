@@ -24,6 +24,9 @@ def _registry() -> Any:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    import jax
+
+    from ..choose.select import jax_range_reason
     from ..contract.environment import resolve
 
     registry = _registry()
@@ -43,6 +46,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                 "capabilities": caps.as_dict(),
                 "certified": _report.certificate_summary(backend, platform),
                 "probes": _report.probe_summary(backend),
+                "refused": jax_range_reason(backend, jax.__version__),
             }
         )
     from ..probe.tuning import table_summary
@@ -72,6 +76,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("\nload problems:")
         for problem in problems:
             print(f"  - {problem}")
+    refused = [f"{n}: {rec['refused']}" for n, rec in ((r["backend"], r) for r in records)
+               if rec["refused"]]
+    if refused:
+        print("\nnever selected here:")
+        for line in refused:
+            print(f"  - {line}")
     if tuning is not None:
         print(f"\ntuning table {tuning['path']}: " + (tuning.get("problem") or (
             f"{tuning['counting']} entries count on {platform}, "

@@ -1,0 +1,253 @@
+"""Continuous batching of Gemma 3 over the registry's paged KV-cache contract.
+
+One pool of pages per layer, shared by every request: a request takes pages
+from a free list as it grows and returns them when it ends (EOS or its
+``max_new`` tokens). Each step packs one decode row per request past its prompt
+and prefill chunks (``chunk_budget`` prompt rows at most) into ONE ragged batch
+(``PagedBatch``), writes every row's K and V into its layer's cache and attends
+there: the local layers through a ``PagedAttention`` with the window in its
+call (``window=(511, None)``), the global ones through one without. Greedy
+decoding; a step's program is compiled ahead of its first run per row bucket
+(powers of two), so step times never include compilation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import attn_backends
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .model import decoder, logits_of, window_of
+from .weights import Config
+
+
+@dataclass(frozen=True)
+class Request:
+    """Prompt token ids (BOS first), at most ``max_new`` new tokens, and the engine
+    step at which the request arrives."""
+
+    id: int
+    prompt: tuple[int, ...]
+    max_new: int
+    arrival: int = 0
+
+
+@dataclass
+class _Live:
+    request: Request
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0                      # positions whose K and V are in the cache
+    new: list[int] = field(default_factory=list)
+
+    @property
+    def known(self) -> int:                # prompt and generated tokens so far
+        return len(self.request.prompt) + len(self.new)
+
+    def token(self, position: int) -> int:
+        n = len(self.request.prompt)
+        return self.request.prompt[position] if position < n else self.new[position - n]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step: ``(request id, first position, rows)`` per sequence, the padded row
+    count, whether it held prompt rows, and its wall time (compilation excluded)."""
+
+    work: tuple[tuple[int, int, int], ...]
+    rows: int
+    prefill: bool
+    seconds: float
+
+
+class Engine:
+    """Serves requests for one model (``params``, ``cfg``, ``dtype``): at most
+    ``max_seqs`` at once, each at most ``max_context`` positions long, over
+    ``num_pages`` pages of ``page_size`` positions per layer (default: enough for
+    ``max_seqs`` requests of ``max_context``). ``backend``, ``prefer``,
+    ``registry`` and ``device`` as in ``registry.get_paged``."""
+
+    def __init__(self, params: dict[str, Any], cfg: Config, dtype: str, *, max_context: int,
+                 page_size: int = 16, max_seqs: int = 8, chunk_budget: int = 512,
+                 num_pages: int | None = None, backend: str | None = None,
+                 prefer: str | Sequence[str] | None = None,
+                 registry: attn_backends.Registry | None = None, device: Any = None):
+        registry = registry if registry is not None else attn_backends.registry
+        self.cfg, self.params, self.page_size = cfg, params, page_size
+        self.max_seqs, self.chunk_budget, self.max_context = max_seqs, chunk_budget, max_context
+        kinds = {window_of(cfg, layer) for layer in range(cfg.layers)}
+        # Selection happens here, once per layer kind: caches take the chosen layout.
+        self.paged = {w: registry.get_paged(
+            device=device, backend=backend, prefer=prefer, num_q_heads=cfg.heads,
+            num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
+            scale=cfg.scale, window=None if w is None else (w, None)) for w in kinds}
+        self.table_width = -(-max_context // page_size)
+        self.num_pages = num_pages = num_pages or max_seqs * self.table_width
+        self.caches = tuple(self.paged[window_of(cfg, layer)].init_cache(num_pages)
+                            for layer in range(cfg.layers))
+        self.free = list(range(num_pages))[::-1]
+        # (params, caches, tokens, positions, slots, batch, last_rows) -> (tokens, caches)
+        self.program = jax.jit(self._forward, donate_argnums=1)
+        self._compiled: dict[int, Any] = {}
+        self.compile_seconds = 0.0
+        self.waiting: list[Request] = []
+        self.live: list[_Live] = []
+        self.finished: dict[int, list[int]] = {}
+        self.steps: list[Step] = []
+        self.clock = 0
+
+    def backends(self) -> dict[str, str]:
+        """The backend serving each kind of layer: {"local": name, "global": name}."""
+        return {"global" if w is None else "local": p.backend.name for w, p in self.paged.items()}
+
+    def rates(self) -> tuple[float, float]:
+        """(prefill, decode) tokens per second over the steps run so far: the rows of
+        the steps that held prompt rows, and of those that held decode rows only
+        (nan where there were none)."""
+        prefill = [s for s in self.steps if s.prefill]
+        decode = [s for s in self.steps if not s.prefill]
+
+        def rate(steps: list[Step], rows: Any) -> float:
+            seconds = sum(s.seconds for s in steps)
+            return sum(rows(s) for s in steps) / seconds if seconds else float("nan")
+
+        return (rate(prefill, lambda s: sum(n for *_, n in s.work)),
+                rate(decode, lambda s: len(s.work)))
+
+    def _forward(self, params: dict[str, Any], caches: tuple[Any, ...], tokens: jax.Array,
+                 positions: jax.Array, slots: jax.Array, batch: attn_backends.PagedBatch,
+                 last_rows: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
+        """rows ``[T]`` -> (the greedy token after each sequence's last row ``[max_seqs]``,
+        the caches with every row's K and V written)."""
+        written = list(caches)
+
+        def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            paged = self.paged[window_of(self.cfg, layer)]
+            written[layer] = paged.write(written[layer], k, v, slots)   # write, then attend
+            return paged(q, written[layer], batch)
+
+        hidden = decoder(params, self.cfg, tokens, positions, attend)
+        logits = logits_of(params, hidden[last_rows])
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), tuple(written)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; it starts when a slot and its pages are free."""
+        length = len(request.prompt) + request.max_new - 1
+        if not request.prompt or request.max_new < 1 or length > self.max_context:
+            raise ValueError(f"request {request.id}: expected a non-empty prompt and 1 <= "
+                             f"max_new with prompt + max_new - 1 <= {self.max_context} "
+                             f"positions, got {len(request.prompt)} and {request.max_new}")
+        pages = self._pages_owed(_Live(request))
+        if pages > self.num_pages:
+            raise ValueError(f"request {request.id} needs {pages} pages of {self.page_size} "
+                             f"positions, the pool has {self.num_pages}: make the engine with "
+                             "more num_pages")
+        self.waiting.append(request)
+
+    def _pages_owed(self, r: _Live) -> int:
+        longest = len(r.request.prompt) + r.request.max_new - 1
+        return -(-longest // self.page_size) - len(r.pages)
+
+    def _admit(self) -> None:
+        """First come, first served, while a slot is free and the free list covers
+        every running request's longest length: no request ever waits for a page."""
+        owed = sum(self._pages_owed(r) for r in self.live)
+        while self.waiting and len(self.live) < self.max_seqs:
+            candidate = _Live(self.waiting[0])
+            if len(self.free) - owed < self._pages_owed(candidate):
+                break
+            owed += self._pages_owed(candidate)
+            self.live.append(candidate)
+            self.waiting.pop(0)
+
+    def _plan(self) -> list[tuple[_Live, int]]:
+        """Decode rows first (one per request past its prompt), then prompt chunks."""
+        plan = [(r, 1) for r in self.live if r.computed >= len(r.request.prompt)]
+        budget = self.chunk_budget
+        for r in self.live:
+            remaining = len(r.request.prompt) - r.computed
+            if remaining > 0 and budget > 0:
+                plan.append((r, min(remaining, budget)))
+                budget -= plan[-1][1]
+        return plan
+
+    def _arrays(self, plan: list[tuple[_Live, int]]) -> dict[str, np.ndarray]:
+        """The ragged batch padded to static shapes: padding rows write nothing (slot
+        -1); unused sequences have no rows and no keys; table entries past a
+        sequence's pages are 0 and never read."""
+        total = sum(n for _, n in plan)
+        rows = max(8, 1 << (total - 1).bit_length())
+        out = {"tokens": np.zeros(rows, np.int32), "positions": np.zeros(rows, np.int32),
+               "slots": np.full(rows, -1, np.int32), "last_rows": np.zeros(self.max_seqs, np.int32),
+               "cu": np.full(self.max_seqs + 1, total, np.int32),
+               "kv_lens": np.zeros(self.max_seqs, np.int32),
+               "table": np.zeros((self.max_seqs, self.table_width), np.int32)}
+        row = 0
+        for s, (r, n) in enumerate(plan):
+            need = -(-(r.computed + n) // self.page_size) - len(r.pages)
+            r.pages += [self.free.pop() for _ in range(need)]
+            positions = np.arange(r.computed, r.computed + n)
+            pages = np.asarray(r.pages)
+            out["tokens"][row: row + n] = [r.token(int(p)) for p in positions]
+            out["positions"][row: row + n] = positions
+            out["slots"][row: row + n] = (pages[positions // self.page_size] * self.page_size
+                                          + positions % self.page_size)
+            out["cu"][s], out["last_rows"][s] = row, row + n - 1
+            out["kv_lens"][s] = r.computed + n
+            out["table"][s, : len(pages)] = pages
+            row += n
+        return out
+
+    def step(self) -> None:
+        """Admit, run one ragged batch, take each sequence's next token if its last
+        known token ran, retire the finished (their pages go back)."""
+        self._admit()
+        plan = self._plan()
+        self.clock += 1
+        if not plan and self.waiting and not self.live:
+            # every page should be free now: a request that still cannot start
+            # would wait forever
+            raise RuntimeError(f"request {self.waiting[0].id} cannot start with nothing "
+                               f"running: {len(self.free)} of {self.num_pages} pages free")
+        if not plan:
+            return
+        a = self._arrays(plan)
+        batch = attn_backends.PagedBatch(jnp.asarray(a["cu"]), jnp.asarray(a["kv_lens"]),
+                                         jnp.asarray(a["table"]), jnp.int32(len(plan)))
+        args = (self.params, self.caches, jnp.asarray(a["tokens"]), jnp.asarray(a["positions"]),
+                jnp.asarray(a["slots"]), batch, jnp.asarray(a["last_rows"]))
+        rows = len(a["tokens"])
+        if rows not in self._compiled:
+            start = time.perf_counter()
+            self._compiled[rows] = self.program.lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        next_tokens, self.caches = self._compiled[rows](*args)
+        next_tokens = np.asarray(next_tokens)  # waits for the step
+        self.steps.append(Step(tuple((r.request.id, r.computed, n) for r, n in plan), rows,
+                               any(r.computed < len(r.request.prompt) for r, _ in plan),
+                               time.perf_counter() - start))
+        for s, (r, n) in enumerate(plan):
+            r.computed += n
+            if r.computed == r.known:
+                r.new.append(int(next_tokens[s]))
+        for r in [r for r in self.live if len(r.new) == r.request.max_new
+                  or (r.new and r.new[-1] == self.cfg.eos)]:
+            self.live.remove(r)
+            self.free += r.pages
+            self.finished[r.request.id] = r.new
+
+    def run(self, requests: Sequence[Request]) -> dict[int, list[int]]:
+        """Serve ``requests``, each submitted at its arrival step: their new tokens by id
+        (EOS included when a request ended on it)."""
+        pending = sorted(requests, key=lambda r: r.arrival)
+        while pending or self.waiting or self.live:
+            while pending and pending[0].arrival <= self.clock:
+                self.submit(pending.pop(0))
+            self.step()
+        return {r.id: self.finished[r.id] for r in requests}

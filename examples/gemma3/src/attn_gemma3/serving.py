@@ -56,9 +56,11 @@ class _Live:
 
 @dataclass(frozen=True)
 class Step:
-    """One step: ``(request id, first position, rows)`` per sequence, the padded row
-    count, whether it held prompt rows, and its wall time (compilation excluded)."""
+    """One step: the engine's clock when it ran (arrivals count in it), ``(request id,
+    first position, rows)`` per sequence, the padded row count, whether it held
+    prompt rows, and its wall time (compilation excluded)."""
 
+    clock: int
     work: tuple[tuple[int, int, int], ...]
     rows: int
     prefill: bool
@@ -77,6 +79,10 @@ class Engine:
                  num_pages: int | None = None, backend: str | None = None,
                  prefer: str | Sequence[str] | None = None,
                  registry: attn_backends.Registry | None = None, device: Any = None):
+        for name, value in (("max_context", max_context), ("page_size", page_size),
+                            ("max_seqs", max_seqs), ("chunk_budget", chunk_budget)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         registry = registry if registry is not None else attn_backends.registry
         self.cfg, self.params, self.page_size = cfg, params, page_size
         self.max_seqs, self.chunk_budget, self.max_context = max_seqs, chunk_budget, max_context
@@ -229,9 +235,10 @@ class Engine:
         start = time.perf_counter()
         next_tokens, self.caches = self._compiled[rows](*args)
         next_tokens = np.asarray(next_tokens)  # waits for the step
-        self.steps.append(Step(tuple((r.request.id, r.computed, n) for r, n in plan), rows,
-                               any(r.computed < len(r.request.prompt) for r, _ in plan),
-                               time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        self.steps.append(Step(self.clock - 1, tuple((r.request.id, r.computed, n)
+                                                     for r, n in plan), rows,
+                               any(r.computed < len(r.request.prompt) for r, _ in plan), seconds))
         for s, (r, n) in enumerate(plan):
             r.computed += n
             if r.computed == r.known:

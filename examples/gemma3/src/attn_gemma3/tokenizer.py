@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+#: Bump when ``build`` changes: the cached tokenizer.json of an older build is not read.
+TOKENIZER_VERSION = 1
 #: GGUF token types (SentencePiece's numbering).
 CONTROL, USER_DEFINED = 3, 4
 

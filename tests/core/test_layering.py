@@ -24,7 +24,7 @@ PACKAGES = [CORE, ROOT / "contracts/src/attn_backends_contracts",
             *sorted(ROOT.glob("plugins/*/src/attn_backend_*")),
             *sorted(ROOT.glob("examples/*/src/attn_backend_*"))]
 #: Most of core's modules ``import attn_backends`` may load (docs/DESIGN.md).
-IMPORT_BUDGET = 16
+IMPORT_BUDGET = 15
 
 
 def layer_table(text: str) -> dict[str, int]:
@@ -180,7 +180,7 @@ _LOADED = ("import json, sys\n"
            "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'attn_backends')\n")
 
 
-def test_import_loads_at_most_sixteen_modules_and_nothing_above_choosing():
+def test_import_loads_at_most_fifteen_modules_and_nothing_above_choosing():
     loaded = _run("import attn_backends\n" + _LOADED + "print(json.dumps(loaded))")
     assert len(loaded) <= IMPORT_BUDGET, loaded
     above = [m for m in loaded if m.split(".")[1:2] in (["probe"], ["parallel"], ["cli"])]

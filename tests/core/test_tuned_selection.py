@@ -20,7 +20,7 @@ from attn_backends.cli.tune import Signature, tune
 from attn_backends.probe.tuning import TABLE_NAME, TuningWarning, environment, identity
 
 Q, K, V = qkv(b=2, tq=8, tk=8, hq=4, hkv=2, d=8)
-CALL, _ = ab.contract.call.bind(Q, K, V, causal=True)
+CALL, _ = ab.bind(Q, K, V, causal=True)
 
 
 def registry(*backends: ab.Backend) -> ab.Registry:

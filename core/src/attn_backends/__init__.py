@@ -9,7 +9,7 @@ from .choose.attention import Attention
 from .choose.discovery import LoadProblem, Origin
 from .choose.select import Explanation, Verdict, select
 from .contract.backend import ENTRY_POINT_GROUP, Backend, hookimpl
-from .contract.call import API_VERSION, FEATURES, AttentionCall, Operands, bind
+from .contract.call import API_VERSION, FEATURES, AttentionCall, Operands
 from .contract.capabilities import CLAIMABLE_DTYPES, DTYPES, PLATFORMS, Capabilities, HeadDims
 from .contract.environment import env_flag, local_work, platform_name
 from .contract.errors import (
@@ -81,3 +81,12 @@ __all__ = [
     "registry",
     "select",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``attn_backends.bind`` loads the argument checks on first use, not at import."""
+    if name == "bind":
+        from .contract.arguments import bind
+
+        return bind
+    raise AttributeError(f"module 'attn_backends' has no attribute {name!r}")

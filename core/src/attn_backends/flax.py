@@ -100,7 +100,8 @@ import jax.numpy as jnp
 from ._flax_dense import DENSE_PATH, SOWN_DROPOUT_REFUSED, announce_dense, dense, sow
 from .choose.attention import SELECTION_CACHE_SIZE, Attention
 from .choose.select import Explanation
-from .contract.call import AttentionCall, bind
+from .contract.arguments import bind
+from .contract.call import AttentionCall
 
 __all__ = [
     "DENSE_PATH", "FlaxAttention", "FlaxExplanation", "FlaxSignature", "ServedCall", "attention_fn",

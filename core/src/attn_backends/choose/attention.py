@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import jax
 
 from ..contract.backend import Backend
-from ..contract.call import AttentionCall, Operands, bind
+from ..contract.call import AttentionCall, Operands
 from ..contract.environment import is_sharded, process_count, varying_axes
 from ..contract.errors import (
     AgreementError,
@@ -234,6 +234,8 @@ class Attention:
             from .bhtd import to_contract_layout
 
             q, k, v = to_contract_layout(q, k, v)
+        from ..contract.arguments import bind
+
         call, operands = bind(q, k, v, **kwargs)
         where = functools.partial(self._is_local, call, q, k, v, operands)
         if self._goes_parallel(q):
@@ -349,6 +351,9 @@ class Attention:
 
     def _attend(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
         """The call in the contract's BTNH layout."""
+        # Loaded by the first call (at trace time under jit), not at import.
+        from ..contract.arguments import bind
+
         call, operands = bind(q, k, v, **kwargs)
         record(call)
         if call.is_empty:

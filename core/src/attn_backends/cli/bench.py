@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..contract.call import bind
+from ..contract.arguments import bind
 from ..contract.errors import AttnBackendsError
 from .text import table as _table
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..contract.call import bind
+from ..contract.arguments import bind
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""The checks of attention's arguments, shared by ``bind`` (``contract/call.py``) and
-``bind_paged``: each raises ``ValueError`` naming the argument, what was expected
-and what arrived (and, where a shape looks transposed, the fix). With them, the
-dtypes a call may have.
+"""``bind``: the arguments of ``attention(q, k, v, ...)`` checked once and made into
+an :class:`AttentionCall` and its :class:`Operands`. Its checks, shared with
+``bind_paged``, each raise ``ValueError`` naming the argument, what was expected
+and what arrived (and, where a shape looks transposed, the fix). Loaded by the
+first call, not at ``import attn_backends`` (``attn_backends.bind`` loads it).
 """
 
 from __future__ import annotations
@@ -11,26 +12,7 @@ from typing import Any
 
 import numpy as np
 
-#: The dtypes every backend claims unless its manifest says otherwise.
-DTYPES = frozenset({"float32", "bfloat16", "float16"})
-#: Dtypes a call may have only under ``jax_enable_x64`` (without it JAX would
-#: compute them in float32); a backend serves them only if its manifest claims them.
-WIDE_DTYPES = frozenset({"float64"})
-
-
-def bindable(dtype: str) -> bool:
-    """Whether a call in ``dtype`` binds here: one of :data:`DTYPES`, or one of
-    :data:`WIDE_DTYPES` while JAX keeps it (``jax_enable_x64``)."""
-    if dtype in DTYPES:
-        return True
-    if dtype not in WIDE_DTYPES:
-        return False
-    import jax
-
-    # Under x64 JAX keeps float64; without it every jnp op would quietly
-    # compute float32 (only a NumPy array or ShapeDtypeStruct arrives so).
-    return bool(jax.dtypes.canonicalize_dtype(np.dtype(dtype)) == np.dtype(dtype))
-
+from .call import WIDE_DTYPES, AttentionCall, Operands, bindable
 
 _BHTD_HINT = (
     "for [B, H, T, D] arrays get the attention with registry.get(layout='BHTD') "
@@ -247,3 +229,87 @@ def check_dropout(rate: Any, key: Any) -> float:
             f"got {key.dtype} of shape {list(shape_of(key))}"
         )
     return rate
+
+
+def bind(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    segment_ids: tuple[Any, Any] | None = None,
+    q_lengths: Any = None,
+    kv_lengths: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_key: Any = None,
+) -> tuple[AttentionCall, Operands]:
+    """Validate the arguments of ``attention(...)`` and normalise them.
+
+    Returns ``(call, operands)``. Raises ``ValueError`` for any bad argument:
+    naming it, what was expected and what arrived, before any backend runs.
+    """
+    check_qkv(q, k, v)
+    b, tq, hq, d = shape_of(q)
+    tk, hkv, dv = shape_of(v)[1:]
+    for flag_name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise ValueError(
+                f"{flag_name}: expected a Python bool (it selects the compiled program), "
+                f"got {type(flag).__name__}. Under jit, mark it static "
+                "(static_argnames) or close over it."
+            )
+    q_ids = kv_ids = None
+    if segment_ids is not None:
+        if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+            raise ValueError(
+                "segment_ids: expected a pair (q_ids [B, Tq], kv_ids [B, Tk]), "
+                f"got {type(segment_ids).__name__}"
+            )
+        q_ids, kv_ids = segment_ids
+        check_int_array("segment_ids[0] (q_ids)", q_ids, (b, tq), (hq,))
+        check_int_array("segment_ids[1] (kv_ids)", kv_ids, (b, tk), (hkv,))
+    if q_lengths is not None:
+        check_int_array("q_lengths", q_lengths, (b,))
+    if kv_lengths is not None:
+        check_int_array("kv_lengths", kv_lengths, (b,))
+    mask_shape = bias_shape = bias_dtype = None
+    if mask is not None:
+        mask_shape = check_pairwise("mask", mask, b, hq, hkv, tq, tk, key_mask=True)
+        if dtype_name(mask) != "bool":
+            raise ValueError(
+                f"mask: expected dtype bool (True = visible), got {dtype_name(mask)}; "
+                "for additive masks use bias="
+            )
+    if bias is not None:
+        bias_shape = check_pairwise("bias", bias, b, hq, hkv, tq, tk)
+        bias_dtype = dtype_name(bias)
+        check_float("bias", bias_dtype)
+    call = AttentionCall(
+        batch=b,
+        q_len=tq,
+        kv_len=tk,
+        q_heads=hq,
+        kv_heads=hkv,
+        head_dim=d,
+        v_head_dim=dv,
+        dtype=dtype_name(q),
+        scale=check_scale(scale, d),
+        causal=bool(causal),
+        window=check_window(window),
+        segment_ids=segment_ids is not None,
+        q_lengths=q_lengths is not None,
+        kv_lengths=kv_lengths is not None,
+        mask_shape=mask_shape,
+        bias_shape=bias_shape,
+        bias_dtype=bias_dtype,
+        softcap=check_softcap(softcap),
+        return_lse=bool(return_lse),
+        dropout_rate=check_dropout(dropout_rate, dropout_key),
+    )
+    return call, Operands(q_ids, kv_ids, q_lengths, kv_lengths, mask, bias, dropout_key)

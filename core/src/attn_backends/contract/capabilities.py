@@ -8,8 +8,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .arguments import DTYPES, WIDE_DTYPES
-from .call import FEATURES, AttentionCall
+from .call import DTYPES, FEATURES, WIDE_DTYPES, AttentionCall
 from .environment import PLATFORMS, check_platform
 
 #: Every dtype a manifest may claim: :data:`DTYPES` (the default claim) and

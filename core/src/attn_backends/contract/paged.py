@@ -23,7 +23,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from .arguments import DTYPES, WIDE_DTYPES
+from .call import DTYPES, WIDE_DTYPES
 from .capabilities import CLAIMABLE_DTYPES, HeadDims, manifest_dict, validate_spec
 from .environment import PLATFORMS, check_platform
 from .errors import UnsupportedError

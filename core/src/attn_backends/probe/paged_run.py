@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contract.arguments import WIDE_DTYPES
+from ..contract.call import WIDE_DTYPES
 from ..contract.environment import local_device
 from ..contract.paged import PagedBackend, PagedCall
 from .paged_inputs import PagedCase, paged_case

@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..contract.arguments import bindable
+from ..contract.arguments import bind
 from ..contract.backend import Backend
-from ..contract.call import AttentionCall, bind
+from ..contract.call import AttentionCall, bindable
 from ..contract.environment import device_kind, env_setting, seconds, versions
 from ..contract.paged import PagedCall
 from . import call as _probe_call

@@ -148,28 +148,27 @@ class Engine:
             raise ValueError(f"request {request.id}: expected a non-empty prompt and 1 <= "
                              f"max_new with prompt + max_new - 1 <= {self.max_context} "
                              f"positions, got {len(request.prompt)} and {request.max_new}")
-        pages = self._pages_owed(_Live(request))
+        pages = self._pages_needed(request)
         if pages > self.num_pages:
             raise ValueError(f"request {request.id} needs {pages} pages of {self.page_size} "
                              f"positions, the pool has {self.num_pages}: make the engine with "
                              "more num_pages")
         self.waiting.append(request)
 
-    def _pages_owed(self, r: _Live) -> int:
-        longest = len(r.request.prompt) + r.request.max_new - 1
-        return -(-longest // self.page_size) - len(r.pages)
+    def _pages_needed(self, request: Request) -> int:
+        """Pages a request holds at its longest (its last new token is never fed back)."""
+        return -(-(len(request.prompt) + request.max_new - 1) // self.page_size)
 
     def _admit(self) -> None:
         """First come, first served, while a slot is free and the free list covers
         every running request's longest length: no request ever waits for a page."""
-        owed = sum(self._pages_owed(r) for r in self.live)
+        owed = sum(self._pages_needed(r.request) - len(r.pages) for r in self.live)
         while self.waiting and len(self.live) < self.max_seqs:
-            candidate = _Live(self.waiting[0])
-            if len(self.free) - owed < self._pages_owed(candidate):
+            need = self._pages_needed(self.waiting[0])
+            if len(self.free) - owed < need:
                 break
-            owed += self._pages_owed(candidate)
-            self.live.append(candidate)
-            self.waiting.pop(0)
+            owed += need
+            self.live.append(_Live(self.waiting.pop(0)))
 
     def _plan(self) -> list[tuple[_Live, int]]:
         """Decode rows first (one per request past its prompt), then prompt chunks."""

@@ -51,7 +51,8 @@ from attn_backends.contract.paged_bind import bind_paged
 from attn_backends.probe.paged_run import run_paged_probe
 backend = ab.Registry(probe=None, only=["xla_native"]).backend("xla_native")
 call = bind_paged(num_q_heads=8, num_kv_heads=2, head_dim=16, page_size=4, dtype="float32",
-                  window=(3, None), softcap=20.0)
+                  window=(3, None), softcap=20.0,
+                  cache_dtype=os.environ.get("ATTN_TEETH_CACHE_DTYPE") or None)
 print("REASONS " + json.dumps(run_paged_probe(backend, call, "cpu")))
 """
 
@@ -84,14 +85,40 @@ MUTANTS = {
         # Negative slots wrap around in .at[]: the padding token lands in the last slots.
         [("attn_backends.contract.heads_first", "write",
           "where = jnp.where(slots < 0, flat, slots)", "where = slots")],
-        "test_paged_write and float32", "paged-store-float32", "probe: write left K wrong"),
+        "test_paged_write and paged-store-float32", "paged-store-float32",
+        "probe: write changed K"),
+    # A quantized cache (the quantized family; the probe on an int8 cache).
+    "value_scale_forgotten": (
+        [(_KERNEL, "_attend", "for x, s in zip((keys, values), scales, strict=True))",
+          "for x, s in zip((keys, values), (scales[0], scales[1] * 0 + 1), strict=True))")],
+        "test_paged_matches_oracle and quantized-mixed-float32-int8", "quantized-mixed-",
+        "probe: out "),
+    "neighbours_scale": (
+        [(_KERNEL, "_attend", "dequantize(x, s[:, pages].reshape(heads, count, block_keys), wide)",
+          "dequantize(x, jnp.roll(s[:, pages].reshape(heads, count, block_keys), 1, -1), wide)")],
+        "test_paged_matches_oracle and quantized-mixed-float32-int8", "quantized-mixed-",
+        "probe: out "),
+    "values_read_unsigned": (
+        [(_KERNEL, "_attend", "dequantize(x, s[:, pages]",
+          "dequantize(lax.bitcast_convert_type(x, jnp.uint8), s[:, pages]")],
+        "test_paged_matches_oracle and quantized-mixed-float32-int8", "quantized-mixed-",
+        "probe: out "),
+    "quantizer_rounds_down": (
+        [("attn_backends.contract.paged_quantize", "quantize", "ratio = jnp.round(ratio)",
+          "ratio = jnp.floor(ratio)")],
+        "test_paged_write and quantized-store-float32-int8", "quantized-store-float32-int8",
+        "probe: write quantized K wrong"),
 }
+#: The mutants of the quantized path, probed on an int8 cache.
+_QUANTIZED = ("value_scale_forgotten", "neighbours_scale", "values_read_unsigned",
+              "quantizer_rounds_down")
 _EVERY_SELECTION = " or ".join(f"({m[1]})" for m in MUTANTS.values())
 
 
-def _run(script: str, edits: list, args: list[str], tmp_path: Path) -> tuple[int, str]:
+def _run(script: str, edits: list, args: list[str], tmp_path: Path,
+         cache_dtype: str = "") -> tuple[int, str]:
     env = dict(os.environ, ATTN_TEETH_EDITS=json.dumps(edits),
-               ATTN_BACKENDS_CACHE_DIR=str(tmp_path / "cache"))
+               ATTN_BACKENDS_CACHE_DIR=str(tmp_path / "cache"), ATTN_TEETH_CACHE_DTYPE=cache_dtype)
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
                           text=True, timeout=900)
     log = proc.stdout + proc.stderr
@@ -102,13 +129,14 @@ def _run(script: str, edits: list, args: list[str], tmp_path: Path) -> tuple[int
 def _check(edits: list, selection: str, tmp_path: Path) -> tuple[int, str, dict]:
     cert = tmp_path / "cert.json"
     code, log = _run(_CHECK, edits, ["check", "xla_native", "--json", str(cert), "--", "-x",
-                                     "-q", "-p", "no:cacheprovider", "--attn-only=paged",
+                                     "-q", "-p", "no:cacheprovider",
+                                     "--attn-only=paged,quantized",
                                      "-k", selection], tmp_path)
     return code, log, json.loads(cert.read_text()) if cert.exists() else {}
 
 
-def _probe(edits: list, tmp_path: Path) -> list[str]:
-    code, log = _run(_PROBE, edits, [], tmp_path)
+def _probe(edits: list, tmp_path: Path, cache_dtype: str = "") -> list[str]:
+    code, log = _run(_PROBE, edits, [], tmp_path, cache_dtype)
     assert code == 0, log[-3000:]
     line = next(x for x in log.splitlines() if x.startswith("REASONS "))
     return json.loads(line[len("REASONS "):])
@@ -120,6 +148,7 @@ def test_the_unmutated_code_passes_the_family_and_the_probe(tmp_path: Path) -> N
     # One case per distinct selection (two mutants may share one).
     assert cert["cases"]["passed"] == len({m[1] for m in MUTANTS.values()})
     assert _probe([], tmp_path) == []
+    assert _probe([], tmp_path, "int8") == []
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
@@ -130,7 +159,7 @@ def test_each_mutant_fails_the_family_and_the_probe(name: str, tmp_path: Path) -
     failed = [f["case"] or f["test"] for f in cert.get("failures", [])]
     assert any(fragment in (c or "") for c in failed), (
         f"{name}: expected a failure in a {fragment!r} case, got {failed}\n{log[-2000:]}")
-    reasons = _probe(edits, tmp_path)
+    reasons = _probe(edits, tmp_path, "int8" if name in _QUANTIZED else "")
     assert reasons, f"the paged probe passed the {name} mutant"
     assert all(r.startswith("probe") for r in reasons), reasons
     assert any(r.startswith(says) for r in reasons), reasons

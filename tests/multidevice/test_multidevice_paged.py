@@ -121,3 +121,36 @@ def test_kv_heads_not_a_multiple_of_the_axis_is_refused(md_registry) -> None:
                                   num_kv_heads=4, head_dim=D, page_size=PS, dtype="float32")
     with pytest.raises(ValueError, match="num_kv_heads=4 must be a multiple of the 8 devices"):
         shard_paged_heads(paged, _mesh(), "tp")
+
+
+@pytest.mark.parametrize("name", ["reference", "xla_native"])
+def test_a_quantized_cache_splits_over_heads_with_its_scales(md_registry, name) -> None:
+    """An int8 cache's values and scales split over the heads axis: each device
+    quantizes its own heads (a scale per position and head needs no other's), so
+    the sharded write equals the unsharded one bitwise, and so does the attention
+    up to float32 rounding (one jitted program against eager calls)."""
+    paged = md_registry.get_paged(device="cpu", backend=name, cache_dtype="int8", **CALL)
+    sharded = shard_paged_heads(paged, _mesh(), "tp")
+    assert len(sharded._cache_specs) == 4
+    case = paged_case(SEQS, page_size=PS, hq=HQ, hkv=HKV, d=D, pad_rows=3, cache_dtype="int8")
+    heads = jax.NamedSharding(_mesh(), HEADS)
+    slots = np.concatenate([case.slots, [-1]]).astype(np.int32)
+    k_rows, v_rows = (np.concatenate([x, np.full((1, HKV, D), np.nan, np.float32)])
+                      for x in (case.k_rows, case.v_rows))
+    cache = jax.jit(sharded.write, donate_argnums=0)(
+        sharded.init_cache(case.k_pages.shape[0]), jax.device_put(k_rows, heads),
+        jax.device_put(v_rows, heads), jnp.asarray(slots))
+    plain = paged.write(paged.init_cache(case.k_pages.shape[0]), k_rows, v_rows, slots)
+    for got, ref in zip(paged.to_canonical(cache), paged.to_canonical(plain), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    q = jax.device_put(jnp.asarray(case.q), heads)
+    out = np.asarray(jax.jit(sharded.__call__)(q, cache, case.batch()))
+    unsharded = np.asarray(paged(jnp.asarray(case.q), plain, case.batch()))
+    np.testing.assert_allclose(out, unsharded, atol=1e-6, rtol=1e-6)
+    kp, vp, ks, vs = (np.asarray(x) for x in paged.to_canonical(plain))
+    from attn_backends.oracle import paged_attention as oracle
+
+    want = oracle(case.q, kp * ks[..., None].astype(np.float64),
+                  vp * vs[..., None].astype(np.float64), case.cu_q_lens, case.kv_lens,
+                  case.page_table, case.num_seqs)
+    np.testing.assert_allclose(out, want, atol=2e-5)

@@ -22,7 +22,9 @@ class PagedSuiteCase:
     ``extra_cols``, ``spare_pages`` as in
     :func:`attn_backends.oracle.paged_case`. The call: ``q_heads``,
     ``kv_heads``, ``head_dim``, ``page_size``, ``dtype``, ``scale``,
-    ``softcap``, ``window=(window_left, None)``, ``max_q_len``.
+    ``softcap``, ``window=(window_left, None)``, ``max_q_len``, ``cache_dtype``
+    (a quantized cache: the ``quantized`` family, whose ``store`` cases check
+    the quantizer's rule instead of bitwise writes).
     """
 
     name: str
@@ -43,11 +45,17 @@ class PagedSuiteCase:
     window_left: int | None = None
     max_q_len: int | None = None
     quick: bool = False
-    family: str = "paged"
+    #: A quantized cache's dtype (the ``quantized`` family), or None.
+    cache_dtype: str | None = None
+
+    @property
+    def family(self) -> str:
+        return "paged" if self.cache_dtype is None else "quantized"
 
     @property
     def id(self) -> str:
-        return f"paged-{self.name}-{self.dtype}"
+        stored = "" if self.cache_dtype is None else f"-{self.cache_dtype}"
+        return f"{self.family}-{self.name}-{self.dtype}{stored}"
 
     @property
     def window(self) -> tuple[int, None] | None:
@@ -58,4 +66,4 @@ class PagedSuiteCase:
         return dict(num_q_heads=self.q_heads, num_kv_heads=self.kv_heads,
                     head_dim=self.head_dim, page_size=self.page_size, dtype=self.dtype,
                     scale=self.scale, softcap=self.softcap, window=self.window,
-                    max_q_len=self.max_q_len)
+                    max_q_len=self.max_q_len, cache_dtype=self.cache_dtype)

@@ -45,6 +45,10 @@ DEFAULT_PAGE_SIZE = 4
 DTYPE_SWEEP = ("mixed", "gqa-h8kv2", "window-p")
 #: Cases run at the manifest's other page sizes and head dims (by name).
 SHAPE_SWEEP = ("mixed",)
+#: Cases the ``quantized`` family runs per claimed cache dtype, in the primary
+#: dtype (by name; quick: the first two), and in bfloat16 when claimed (the first).
+QUANTIZED_SWEEP = ("mixed", "decode-max-q-len-1", "gqa-h8kv2", "window-p", "softcap-scale",
+                   "same-seq-twice")
 #: Kinds of case :func:`as_served` may run as a decode step (a ``same_seq``
 #: case's rows are laid out for sequences of two new rows).
 AS_DECODE_KINDS = ("attend", "store")
@@ -150,6 +154,8 @@ def paged_cases_for(backend: Any, *, quick: bool = False) -> list[PagedSuiteCase
     sequence gets every case cut to that. ``quick`` (``--attn-quick``, and every
     run of an :func:`emulated` backend, whose kernels run interpreted, slowly):
     the cases marked so, one per other dtype, one other page size and head dim.
+    Each claimed quantized cache dtype runs :data:`QUANTIZED_SWEEP` (the
+    ``quantized`` family), garbage in its unused values and scale slots too.
     """
     pcaps = backend.paged_capabilities
     sizes = sorted(pcaps.page_sizes) if pcaps.page_sizes is not None else [DEFAULT_PAGE_SIZE]
@@ -176,6 +182,14 @@ def paged_cases_for(backend: Any, *, quick: bool = False) -> list[PagedSuiteCase
                                        head_dim=d, dtype=primary), pcaps))
         for dim in _other_head_dims(pcaps.head_dims, d)[: 1 if quick else 2]:
             out.append(replace(case, name=f"{name}-d{dim}", head_dim=dim))
+    full = {c.name: _within(c, pcaps) for c in
+            (replace(c, page_size=p, head_dim=d, dtype=primary) for c in _table(p))
+            if _claimed(c, pcaps)}
+    sweep = [full[n] for n in QUANTIZED_SWEEP if n in full][: 2 if quick else None]
+    for cache_dtype in sorted(pcaps.cache_dtypes):
+        out += [replace(c, cache_dtype=cache_dtype) for c in sweep]
+        if "bfloat16" in pcaps.dtypes - {primary} and sweep:
+            out.append(replace(sweep[0], cache_dtype=cache_dtype, dtype="bfloat16"))
     return out
 
 
@@ -211,19 +225,23 @@ def as_served(cases: list[PagedSuiteCase], backend: Any, platform: str,
 
 
 def paged_dtypes(backend: Any) -> list[PagedSuiteCase]:
-    """One ``store`` case (write and the canonical round trip) per claimed dtype."""
+    """One ``store`` case (write and the canonical round trip) per claimed dtype, and
+    one per claimed quantized cache dtype (in the primary dtype)."""
     pcaps = backend.paged_capabilities
     p = min(pcaps.page_sizes) if pcaps.page_sizes is not None else DEFAULT_PAGE_SIZE
     d = base_head_dim(pcaps.head_dims)
-    return [PagedSuiteCase("store", kind="store", seqs=((3, 2 * p - 1), (1, 2 * p + 1)),
-                           dtype=dtype, page_size=p, head_dim=d, quick=True)
-            for dtype in sorted(pcaps.dtypes)]
+    store = PagedSuiteCase("store", kind="store", seqs=((3, 2 * p - 1), (1, 2 * p + 1)),
+                           page_size=p, head_dim=d, quick=True)
+    return ([replace(store, dtype=dtype) for dtype in sorted(pcaps.dtypes)]
+            + [replace(store, dtype=_primary(pcaps.dtypes), cache_dtype=cache_dtype)
+               for cache_dtype in sorted(pcaps.cache_dtypes)])
 
 
 def paged_unclaimed(backend: Any) -> list[tuple[str, str]]:
     """(kind, value) the paged manifest does not claim, each of which ``get_paged``
     must refuse: features, dtypes, a page size, a head dim, a ``max_q_len`` past
-    the manifest's; and ("gradient", "q") always (paged attention has none)."""
+    the manifest's, a quantized cache dtype; and ("gradient", "q") always (paged
+    attention has none)."""
     import attn_backends
 
     pcaps = backend.paged_capabilities
@@ -237,6 +255,8 @@ def paged_unclaimed(backend: Any) -> list[tuple[str, str]]:
         out.append(("head_dim", str(rejected)))
     if pcaps.max_q_len is not None:
         out.append(("max_q_len", str(pcaps.max_q_len + 1)))
+    out += [("cache_dtype", dt) for dt in attn_backends.QUANTIZED_CACHE_DTYPES
+            if dt not in pcaps.cache_dtypes]
     out.append(("gradient", "q"))
     return out
 
@@ -255,6 +275,8 @@ def unclaimed_case(backend: Any, kind: str, value: str) -> PagedSuiteCase:
         return replace(base, **extra)
     if kind == "dtype":
         return replace(base, dtype=value)
+    if kind == "cache_dtype":
+        return replace(base, cache_dtype=value)
     if kind in ("page_size", "head_dim", "max_q_len"):
         return replace(base, **{kind: int(value)})
     return base

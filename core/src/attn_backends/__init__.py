@@ -29,6 +29,7 @@ from .contract.errors import (
 from .contract.paged import (
     CANONICAL_LAYOUT,
     PAGED_FEATURES,
+    QUANTIZED_CACHE_DTYPES,
     KVCache,
     PagedBackend,
     PagedBatch,
@@ -44,6 +45,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FEATURES",
     "PLATFORMS",
+    "QUANTIZED_CACHE_DTYPES",
     "AgreementError",
     "AgreementWarning",
     "Attention",

@@ -22,6 +22,9 @@ subclass with a :class:`attn_backends.Capabilities` manifest either way.
   position in a paged batch, and the batch gathered into dense per-sequence
   keys and values with each row's visible positions, for a paged backend over
   a dense kernel.
+- :func:`quantize` and :func:`dequantize`: the quantized paged cache's rule
+  (values and a float32 scale per position and kv head), what ``write``
+  stores and what a backend reads back, block by block.
 - :func:`vary_like`: values a backend makes from constants (a loop carry's
   start) typed as varying over the manual axes its inputs vary over, so it
   runs inside a user's ``jax.shard_map`` with ``check_vma=True``.
@@ -49,6 +52,7 @@ from .contract.environment import env_flag, vary_like
 from .contract.errors import UnsupportedError
 from .contract.heads_first import HeadsFirstPagedBackend
 from .contract.paged import PagedCall, PagedCapabilities, canonical_write
+from .contract.paged_quantize import dequantize, quantize
 
 __all__ = [
     "UNKNOWN_VERSION",
@@ -57,6 +61,7 @@ __all__ = [
     "PagedDense",
     "SwitchedManifest",
     "canonical_write",
+    "dequantize",
     "distribution_version",
     "dropout_keep",
     "dropout_keep_at",
@@ -65,6 +70,7 @@ __all__ = [
     "manifest",
     "paged_dense",
     "paged_rows",
+    "quantize",
     "refuse",
     "resolve_options",
     "vary_like",
@@ -156,7 +162,8 @@ class PagedDense(NamedTuple):
     """A paged call's batch as dense per-sequence keys and values and per-row
     visibility (:func:`paged_dense`); ``L = P * page_size``.
 
-    ``keys``, ``values`` ``[S, L, Hkv, D]`` (the cache's dtype): sequence s's
+    ``keys``, ``values`` ``[S, L, Hkv, D]`` (the cache's dtype; a quantized
+    cache's dequantized to the call's dtype): sequence s's
     position p, zero past ``kv_lens[s]`` and for uncounted sequences; ``seq``
     int32 ``[rows]``: the sequence owning each query row (some in-range sequence
     for an unowned row); ``owned`` bool ``[rows]``; ``visible`` bool ``[rows,
@@ -171,13 +178,16 @@ class PagedDense(NamedTuple):
     visible: Any
 
 
-def paged_dense(call: PagedCall, k_pages: Any, v_pages: Any, batch: Any,
-                rows: int) -> PagedDense:
+def paged_dense(call: PagedCall, k_pages: Any, v_pages: Any, batch: Any, rows: int,
+                scales: Sequence[Any] = ()) -> PagedDense:
     """Gather each sequence's pages of the canonical K and V ``[num_pages,
     page_size, Hkv, D]`` into contiguous keys and values, and each of the
     ``rows`` query rows' visible positions, for a backend that serves paged
     calls over a dense kernel. It copies every sequence's whole table width of
     pages (``S * P * page_size`` positions of K and V) on each call.
+
+    A quantized call passes the cache's ``scales`` (K's and V's ``[num_pages,
+    page_size, Hkv]``), and gets the gathered positions dequantized.
 
     Garbage the contract says never matters cannot reach a result through it:
     table entries are clipped into the pool, and positions past a sequence's
@@ -194,9 +204,14 @@ def paged_dense(call: PagedCall, k_pages: Any, v_pages: Any, batch: Any,
     pos = jnp.arange(length)
     counted = jnp.arange(seqs) < batch.num_seqs
     filled = ((pos[None, :] < batch.kv_lens[:, None]) & counted[:, None])[:, :, None, None]
-    keys, values = (
-        jnp.where(filled, x[table].reshape(seqs, length, call.kv_heads, call.head_dim), 0)
-        for x in (k_pages, v_pages))
+    gathered = [x[table].reshape(seqs, length, call.kv_heads, call.head_dim)
+                for x in (k_pages, v_pages)]
+    if call.quantized:
+        # K's and V's scales [num_pages, page_size, Hkv]: only the gathered
+        # positions are dequantized, never the pool.
+        gathered = [dequantize(x, s[table].reshape(seqs, length, call.kv_heads), call.dtype)
+                    for x, s in zip(gathered, scales, strict=True)]
+    keys, values = (jnp.where(filled, x, 0) for x in gathered)
     seq, owned, row_pos = paged_rows(batch, rows)
     visible = (pos[None, :] <= row_pos[:, None]) & owned[:, None]
     if call.window is not None:

@@ -11,6 +11,12 @@ the canonical view. ``store`` cases check ``write`` (every token at its slot,
 every other slot bitwise unchanged, padding tokens never written) and the
 layout's round trip through the canonical view, exact, in each claimed dtype.
 Whatever the manifest does not claim, and any gradient, must be refused.
+
+The ``quantized`` family is these tests on a cache stored quantized, in each
+cache dtype the manifest claims (``PagedCapabilities.cache_dtypes``): the
+oracle reads the dequantized cache exactly, so the output is judged at the
+query dtype's tolerance; garbage fills unused values and scale slots; the
+quantizer ``write`` applies is checked on its own (:mod:`._quantized`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from attn_backends.oracle import paged_attention
 from attn_backends_contracts._inputs import x64_for
 from attn_backends_contracts._session import family
 from attn_backends_contracts.paged_cases import PagedSuiteCase, paged_case, unclaimed_case
+from attn_backends_contracts.suite._quantized import check_quantized_write
 from attn_backends_contracts.tolerances import compare, normalised_error, tolerance
 
 
@@ -63,7 +70,16 @@ def _batch_case(case: PagedSuiteCase, *, garbage: bool) -> Any:
     return paged_case(case.seqs, page_size=case.page_size, hq=case.q_heads, hkv=case.kv_heads,
                       d=case.head_dim, num_seqs=case.num_seqs, order=case.order,
                       pad_rows=case.pad_rows, extra_cols=case.extra_cols,
-                      spare_pages=case.spare_pages, garbage=garbage)
+                      spare_pages=case.spare_pages, garbage=garbage,
+                      cache_dtype=case.cache_dtype)
+
+
+def _canonical(batch: Any, dtype: str) -> list[Any]:
+    """The batch's canonical arrays as jax arrays: K and V rounded to ``dtype``, or a
+    quantized case's values and scales as they are."""
+    if batch.k_scales is not None:
+        return [jnp.asarray(x) for x in batch.canonical()]
+    return [jnp.asarray(_cast(x, dtype)) for x in batch.canonical()]
 
 
 def _f64(x: Any) -> np.ndarray:
@@ -79,24 +95,26 @@ def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
 def _run(paged: Any, dirty: Any, clean: Any, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """The backend's output on the garbage batch and on its zero-filled twin (one jit)."""
 
-    def step(q: Any, k_pages: Any, v_pages: Any, batch: Any) -> Any:
-        return paged(q, paged.from_canonical(k_pages, v_pages), batch)
+    def step(q: Any, batch: Any, *arrays: Any) -> Any:
+        return paged(q, paged.from_canonical(*arrays), batch)
 
     fn = jax.jit(step)
     outs = []
     for case in (dirty, clean):
-        q, k, v = (jnp.asarray(_cast(x, dtype)) for x in (case.q, case.k_pages, case.v_pages))
-        outs.append(np.asarray(fn(q, k, v, case.batch())))
+        outs.append(np.asarray(fn(jnp.asarray(_cast(case.q, dtype)), case.batch(),
+                                  *_canonical(case, dtype))))
     return outs[0], outs[1]
 
 
 def _expected(paged: Any, clean: Any, dtype: str) -> np.ndarray:
-    """The oracle on the clean batch as the backend sees it (rounded to ``dtype``)."""
-    rounded = [_f64(_cast(x, dtype)) for x in (clean.q, clean.k_pages, clean.v_pages)]
+    """The oracle on the clean batch as the backend sees it (rounded to ``dtype``; a
+    quantized cache dequantized exactly)."""
+    k, v = clean.dequantized() if clean.k_scales is not None else (
+        _f64(_cast(x, dtype)) for x in (clean.k_pages, clean.v_pages))
     call = paged.call
-    return paged_attention(*rounded, clean.cu_q_lens, clean.kv_lens, clean.page_table,
-                           clean.num_seqs, scale=call.scale, softcap=call.softcap,
-                           window=call.window)
+    return paged_attention(_f64(_cast(clean.q, dtype)), k, v, clean.cu_q_lens, clean.kv_lens,
+                           clean.page_table, clean.num_seqs, scale=call.scale,
+                           softcap=call.softcap, window=call.window)
 
 
 @family("paged")
@@ -148,6 +166,9 @@ def test_paged_write(attn_suite: Any, attn_paged_dtype: Any) -> None:
     """``write`` (jitted, the cache donated) puts every token at its slot, leaves every
     other slot bitwise unchanged and never writes a padding (negative-slot) token."""
     suite, case = attn_suite, _applies(attn_paged_dtype)
+    if case.cache_dtype is not None:
+        check_quantized_write(_paged(suite, case), _batch_case(case, garbage=True), case.id)
+        return
     with x64_for(case.dtype):
         paged, batch, k0, v0 = _store_setup(suite, case)
         hkv, d = case.kv_heads, case.head_dim
@@ -194,19 +215,21 @@ def test_paged_in_shard_map(attn_suite: Any, attn_paged_dtype: Any) -> None:
         device = jax.local_devices(backend=suite.platform)[0]
         mesh = Mesh(np.array([device]), ("user",), axis_types=(jax.sharding.AxisType.Auto,))
 
-        def step(q: Any, k_pages: Any, v_pages: Any, batch: Any) -> Any:
-            return paged(q, paged.from_canonical(k_pages, v_pages), batch)
+        def step(q: Any, batch: Any, *arrays: Any) -> Any:
+            return paged(q, paged.from_canonical(*arrays), batch)
 
-        heads = P(None, None, "user", None)  # the kv heads of K and V [pages, ps, Hkv, D]
-        mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(None, "user"), heads, heads,
-                                                                   P()),
+        arrays = _canonical(clean, case.dtype)
+        # The kv heads of K and V [pages, ps, Hkv, D] (and scales [pages, ps, Hkv]).
+        heads = [P(None, None, "user", *[None] * (x.ndim - 3)) for x in arrays]
+        mapped = jax.jit(jax.shard_map(step, mesh=mesh,
+                                       in_specs=(P(None, "user"), P(), *heads),
                                        out_specs=P(None, "user"), check_vma=True))
-        args = [jnp.asarray(_cast(x, case.dtype)) for x in (clean.q, clean.k_pages, clean.v_pages)]
+        args = [jnp.asarray(_cast(clean.q, case.dtype)), clean.batch(), *arrays]
         if not suite.backend.paged_capabilities.check_vma:
             with pytest.raises(UnsupportedError, match="check_vma=False"):
-                mapped(*args, clean.batch())
+                mapped(*args)
             return
-        got = _f64(mapped(*args, clean.batch()))
+        got = _f64(mapped(*args))
         want = _expected(paged, clean, case.dtype)
     wrong = compare("out", got, want, tolerance(case.dtype, "out", platform=suite.platform))
     assert wrong is None, f"{case.id} in shard_map: {wrong}"
@@ -219,15 +242,16 @@ def test_paged_round_trip(attn_suite: Any, attn_paged_dtype: Any) -> None:
     suite, case = attn_suite, _applies(attn_paged_dtype)
     with x64_for(case.dtype):
         paged = _paged(suite, case)
-        dirty = _batch_case(case, garbage=True)
-        k, v = (jnp.asarray(_cast(x, case.dtype)) for x in (dirty.k_pages, dirty.v_pages))
-        cache = paged.from_canonical(k, v)
+        arrays = _canonical(_batch_case(case, garbage=True), case.dtype)
+        cache = paged.from_canonical(*arrays)
         assert cache.layout == paged.layout, (
             f"{case.id}: from_canonical made a cache in layout {cache.layout!r}, the backend "
             f"names {paged.layout!r}")
         back = paged.to_canonical(cache)
         again = paged.from_canonical(*back)
-    for name, a, b in (("K", back[0], k), ("V", back[1], v)):
+    assert len(back) == len(arrays), (
+        f"{case.id}: to_canonical gave {len(back)} arrays, expected {len(arrays)}")
+    for name, a, b in zip(("K", "V", "K's scales", "V's scales"), back, arrays, strict=False):
         assert np.asarray(a).dtype == np.asarray(b).dtype and \
             np.asarray(a).tobytes() == np.asarray(b).tobytes(), (
                 f"{case.id}: {name} after from_canonical then to_canonical differs from "

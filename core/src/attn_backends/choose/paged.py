@@ -279,24 +279,20 @@ class PagedAttention:
             out = _flag_long_sequences(out, batch, self.call.max_q_len)
         return out
 
-    def to_canonical(self, cache: KVCache) -> tuple[Any, Any]:
-        """K and V ``[num_pages, page_size, Hkv, D]``: the layout-free view, exact."""
+    def to_canonical(self, cache: KVCache) -> tuple[Any, ...]:
+        """K and V ``[num_pages, page_size, Hkv, D]``: the layout-free view, exact; for
+        a quantized cache also K's and V's scales, float32 ``[num_pages, page_size,
+        Hkv]`` (four arrays)."""
         self._check_cache(cache)
-        return self._paged.to_canonical(self.call, cache)
+        return tuple(self._paged.to_canonical(self.call, cache))
 
-    def from_canonical(self, k_pages: Any, v_pages: Any) -> KVCache:
+    def from_canonical(self, k_pages: Any, v_pages: Any, k_scales: Any = None,
+                       v_scales: Any = None) -> KVCache:
         """A cache in this backend's layout holding K and V ``[num_pages, page_size,
-        Hkv, D]`` (from another attention's ``to_canonical``), exact."""
-        for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-            shape = tuple(getattr(x, "shape", ()))
-            want = (self.call.page_size, self.call.kv_heads, self.call.head_dim)
-            if len(shape) != 4 or shape[1:] != want or shape[0] < 1:
-                raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}]"
-                                 f", got {list(shape)}")
-            if np.dtype(x.dtype).name != self.call.dtype:
-                raise ValueError(f"{name}: expected dtype {self.call.dtype}, "
-                                 f"got {np.dtype(x.dtype).name}")
-        if k_pages.shape != v_pages.shape:
-            raise ValueError(f"k_pages, v_pages: expected one shape, got {list(k_pages.shape)}"
-                             f" and {list(v_pages.shape)}")
-        return self._paged.from_canonical(self.call, k_pages, v_pages)
+        Hkv, D]`` (from another attention's ``to_canonical``), exact. A quantized
+        call's K and V are its ``cache_dtype`` values, with their scales float32
+        ``[num_pages, page_size, Hkv]`` (``x ~= value * scale``)."""
+        from ..contract.paged_bind import check_canonical
+
+        arrays = check_canonical(self.call, k_pages, v_pages, k_scales, v_scales)
+        return self._paged.from_canonical(self.call, *arrays)

@@ -269,6 +269,7 @@ class Registry:
         softcap: float | None = None,
         window: tuple[int, None] | None = None,
         max_q_len: int | None = None,
+        cache_dtype: Any = None,
     ) -> PagedAttention:
         """A :class:`~attn_backends.choose.paged.PagedAttention` for ``device``:
         selection runs here, once, because the cache is made in the chosen
@@ -279,7 +280,10 @@ class Registry:
         q ``[T, num_q_heads, head_dim]``, K and V of ``num_kv_heads`` heads in
         pages of ``page_size`` positions, ``dtype``; ``scale`` (default
         ``head_dim ** -0.5``), ``softcap``, ``window=(left, None)``; ``max_q_len``
-        the most query rows one sequence has in a batch (None: any).
+        the most query rows one sequence has in a batch (None: any);
+        ``cache_dtype``: "int8", "float8_e4m3fn" or "float8_e5m2" for a cache
+        stored quantized, values and a float32 scale per position and kv head
+        (None: K and V in ``dtype``; docs/DESIGN.md, "Quantized caches").
 
         In a multi-process run the processes agree on the backend, unless it is
         got inside ``attn_backends.local_work()``: then this process chooses it
@@ -291,7 +295,8 @@ class Registry:
 
         call = bind_paged(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, page_size=page_size, dtype=dtype, scale=scale,
-                          softcap=softcap, window=window, max_q_len=max_q_len)
+                          softcap=softcap, window=window, max_q_len=max_q_len,
+                          cache_dtype=cache_dtype)
         explanation, present = self._explain_paged(call, device, backend, prefer, fallback,
                                                    backend_options)
         chosen = choose_paged(explanation, pinned=backend, fallback=fallback)

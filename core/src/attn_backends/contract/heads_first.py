@@ -1,5 +1,6 @@
 """The ``heads_first`` paged cache layout: K and V each ``[Hkv, num_pages,
-page_size, D]``.
+page_size, D]`` (a quantized cache: values so, and K's and V's scales ``[Hkv,
+num_pages, page_size]``).
 
 Each kv head's pages are one contiguous pool, so a kernel reading one head's
 block of keys reads whole runs of ``page_size * D`` values (JAX's Pallas paged
@@ -20,34 +21,43 @@ from .paged import KVCache, PagedBackend, PagedCall
 LAYOUT = "heads_first"
 
 
-def from_canonical(call: PagedCall, k_pages: Any, v_pages: Any) -> KVCache:
-    """K and V ``[num_pages, page_size, Hkv, D]`` -> a cache of K and V
-    ``[Hkv, num_pages, page_size, D]`` each."""
-    arrays = tuple(x.transpose(2, 0, 1, 3) for x in (k_pages, v_pages))
+def _heads_first(x: Any) -> Any:
+    """A canonical array ``[num_pages, page_size, Hkv, ...]`` -> ``[Hkv, num_pages,
+    page_size, ...]``."""
+    return x.transpose(2, 0, 1, *range(3, x.ndim))
+
+
+def from_canonical(call: PagedCall, k_pages: Any, v_pages: Any, *scales: Any) -> KVCache:
+    """K and V ``[num_pages, page_size, Hkv, D]`` (and a quantized call's scales
+    ``[num_pages, page_size, Hkv]``) -> a cache of each heads first."""
+    arrays = tuple(_heads_first(x) for x in (k_pages, v_pages, *scales))
     return KVCache(arrays, LAYOUT, call.page_size, k_pages.shape[0])
 
 
-def to_canonical(call: PagedCall, cache: KVCache) -> tuple[Any, Any]:
-    """The cache's K and V as ``[num_pages, page_size, Hkv, D]`` each."""
-    k, v = (x.transpose(1, 2, 0, 3) for x in cache.arrays)
-    return k, v
+def to_canonical(call: PagedCall, cache: KVCache) -> tuple[Any, ...]:
+    """The cache's K and V as ``[num_pages, page_size, Hkv, D]`` each (and a
+    quantized cache's scales as ``[num_pages, page_size, Hkv]``)."""
+    return tuple(x.transpose(1, 2, 0, *range(3, x.ndim)) for x in cache.arrays)
 
 
 def init_cache(call: PagedCall, num_pages: int) -> KVCache:
-    """Zero-filled K and V ``[Hkv, num_pages, page_size, D]`` (two buffers, so a
-    jit donating the cache donates each)."""
+    """Zero-filled K and V ``[Hkv, num_pages, page_size, D]`` (and scales ``[Hkv,
+    num_pages, page_size]``), separate buffers, so a jit donating the cache
+    donates each."""
     import jax.numpy as jnp
 
     shape = (call.kv_heads, num_pages, call.page_size, call.head_dim)
-    return KVCache(tuple(jnp.zeros(shape, call.dtype) for _ in range(2)), LAYOUT,
-                   call.page_size, num_pages)
+    arrays = [jnp.zeros(shape, call.cache_dtype or call.dtype) for _ in range(2)]
+    arrays += [jnp.zeros(shape[:3], jnp.float32) for _ in range(2 if call.quantized else 0)]
+    return KVCache(tuple(arrays), LAYOUT, call.page_size, num_pages)
 
 
 def write(call: PagedCall, cache: KVCache, k: Any, v: Any, slots: Any) -> KVCache:
     """The cache with k, v ``[T, Hkv, D]`` at ``slots`` int32 ``[T]``
-    (``page * page_size + offset``); a negative slot writes nothing.
+    (``page * page_size + offset``); a negative slot writes nothing. A quantized
+    call's tokens are quantized (values and scales written).
 
-    Each pool is viewed as ``[Hkv, num_pages * page_size, D]`` (two adjacent
+    Each pool is viewed as ``[Hkv, num_pages * page_size, ...]`` (two adjacent
     axes merged: no copy) and the tokens scattered into it.
     """
     import jax.numpy as jnp
@@ -55,9 +65,15 @@ def write(call: PagedCall, cache: KVCache, k: Any, v: Any, slots: Any) -> KVCach
     flat = cache.num_pages * call.page_size
     # A negative index would wrap around in .at[]; one past the end is dropped.
     where = jnp.where(slots < 0, flat, slots)
+    news = [k, v]
+    if call.quantized:
+        from .paged_quantize import quantize
+
+        (k, k_scale), (v, v_scale) = (quantize(x, call.cache_dtype) for x in (k, v))
+        news = [k, v, k_scale, v_scale]
     arrays = []
-    for pool, new in zip(cache.arrays, (k, v), strict=True):
-        rows = pool.reshape(call.kv_heads, flat, call.head_dim)
+    for pool, new in zip(cache.arrays, news, strict=True):
+        rows = pool.reshape(call.kv_heads, flat, *pool.shape[3:])
         rows = rows.at[:, where].set(new.swapaxes(0, 1).astype(pool.dtype), mode="drop")
         arrays.append(rows.reshape(pool.shape))
     return KVCache(tuple(arrays), LAYOUT, cache.page_size, cache.num_pages)
@@ -72,10 +88,11 @@ class HeadsFirstPagedBackend(PagedBackend):
         """``"heads_first"``: K and V each ``[Hkv, num_pages, page_size, D]``."""
         return LAYOUT
 
-    def from_canonical(self, call: PagedCall, k_pages: Any, v_pages: Any) -> KVCache:
-        return from_canonical(call, k_pages, v_pages)
+    def from_canonical(self, call: PagedCall, k_pages: Any, v_pages: Any,
+                       *scales: Any) -> KVCache:
+        return from_canonical(call, k_pages, v_pages, *scales)
 
-    def to_canonical(self, call: PagedCall, cache: KVCache) -> tuple[Any, Any]:
+    def to_canonical(self, call: PagedCall, cache: KVCache) -> tuple[Any, ...]:
         return to_canonical(call, cache)
 
     def init_cache(self, call: PagedCall, num_pages: int) -> KVCache:

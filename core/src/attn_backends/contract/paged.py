@@ -35,6 +35,15 @@ CANONICAL_LAYOUT = "canonical"
 #: Paged call features a :class:`PagedCapabilities` manifest may claim.
 PAGED_FEATURES = ("gqa", "softcap", "window")
 
+#: The dtypes a cache may be stored quantized in (``PagedCall.cache_dtype``):
+#: int8 (symmetric, round to nearest even) and the two float8 formats. Each
+#: position's K and V of each kv head carry one float32 scale (docs/DESIGN.md,
+#: "Quantized caches"); the attention is that of the dequantized cache.
+QUANTIZED_CACHE_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+#: The names of a cache's arrays in the canonical view, in order: K and V, and
+#: for a quantized cache their scales.
+CANONICAL_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")
+
 
 @dataclass(frozen=True)
 class PagedCall:
@@ -59,6 +68,9 @@ class PagedCall:
     #: The platform the program is made for, set by core before it calls a
     #: paged backend; None elsewhere (a backend called directly).
     platform: str | None = None
+    #: One of :data:`QUANTIZED_CACHE_DTYPES` when the cache is stored quantized
+    #: (values and float32 scales); None: the cache holds K and V in ``dtype``.
+    cache_dtype: str | None = None
 
     @property
     def group(self) -> int:
@@ -69,6 +81,11 @@ class PagedCall:
     def accumulation_dtype(self) -> str:
         """float32, or float64 for a float64 call (x64), as in the dense contract."""
         return "float64" if self.dtype in WIDE_DTYPES else "float32"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the cache holds quantized values and their scales."""
+        return self.cache_dtype is not None
 
     @property
     def features(self) -> frozenset[str]:
@@ -85,6 +102,8 @@ class PagedCall:
                   for f in PAGED_FEATURES if f in self.features]
         if self.max_q_len is not None:
             extras.append(f"max_q_len={self.max_q_len}")
+        if self.cache_dtype is not None:
+            extras.append(f"cache_dtype={self.cache_dtype}")
         return text + (" " + " ".join(extras) if extras else "")
 
 
@@ -158,10 +177,17 @@ class PagedCapabilities:
     #: ``Capabilities.check_vma``; a call there is refused when not claimed.
     check_vma: bool = False
     jax_versions: str = ""
+    #: The quantized caches it reads (a subset of :data:`QUANTIZED_CACHE_DTYPES`);
+    #: empty: it reads caches in the call's dtype only.
+    cache_dtypes: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "platforms", frozenset(self.platforms))
         object.__setattr__(self, "dtypes", frozenset(self.dtypes))
+        object.__setattr__(self, "cache_dtypes", frozenset(self.cache_dtypes))
+        if not self.cache_dtypes <= frozenset(QUANTIZED_CACHE_DTYPES):
+            raise ValueError(f"PagedCapabilities: cache_dtypes={sorted(self.cache_dtypes)} "
+                             f"must be a subset of {list(QUANTIZED_CACHE_DTYPES)}")
         if self.page_sizes is not None:
             object.__setattr__(self, "page_sizes", frozenset(self.page_sizes))
         if not self.platforms:
@@ -194,6 +220,9 @@ class PagedCapabilities:
                            "query rows per sequence")
         for feature in sorted(call.features - self.features):
             reasons.append(f"feature {feature!r} not supported")
+        if call.cache_dtype is not None and call.cache_dtype not in self.cache_dtypes:
+            reasons.append(f"cache_dtype {call.cache_dtype}: reads no such quantized cache "
+                           f"(reads {sorted(self.cache_dtypes) or 'none'})")
         return reasons
 
     def as_dict(self) -> dict[str, object]:
@@ -222,30 +251,37 @@ class PagedBackend(abc.ABC):
         """The name of the layout its caches for ``call`` are in (one name, one layout)."""
         return CANONICAL_LAYOUT
 
-    def from_canonical(self, call: PagedCall, k_pages: Any, v_pages: Any) -> KVCache:
-        """K and V ``[num_pages, page_size, Hkv, D]`` as a cache in its layout (exact)."""
+    def from_canonical(self, call: PagedCall, k_pages: Any, v_pages: Any,
+                       *scales: Any) -> KVCache:
+        """K and V ``[num_pages, page_size, Hkv, D]`` as a cache in its layout (exact);
+        for a quantized call also their ``scales``, K's and V's float32 ``[num_pages,
+        page_size, Hkv]``."""
         self._require_canonical(call, "from_canonical")
-        return KVCache((k_pages, v_pages), CANONICAL_LAYOUT, call.page_size, k_pages.shape[0])
+        return KVCache((k_pages, v_pages, *scales), CANONICAL_LAYOUT, call.page_size,
+                       k_pages.shape[0])
 
-    def to_canonical(self, call: PagedCall, cache: KVCache) -> tuple[Any, Any]:
-        """The cache's K and V as ``[num_pages, page_size, Hkv, D]`` each (exact)."""
+    def to_canonical(self, call: PagedCall, cache: KVCache) -> tuple[Any, ...]:
+        """The cache's K and V as ``[num_pages, page_size, Hkv, D]`` each (exact), and
+        for a quantized call their scales ``[num_pages, page_size, Hkv]`` each."""
         self._require_canonical(call, "to_canonical")
-        return cache.arrays[0], cache.arrays[1]
+        return tuple(cache.arrays)
 
     def init_cache(self, call: PagedCall, num_pages: int) -> KVCache:
         """A zero-filled cache of ``num_pages`` pages in its layout."""
         import jax.numpy as jnp
 
         shape = (num_pages, call.page_size, call.kv_heads, call.head_dim)
-        # Two buffers, not one twice: a jit donating the cache donates each.
-        return self.from_canonical(call, jnp.zeros(shape, call.dtype),
-                                   jnp.zeros(shape, call.dtype))
+        # Separate buffers, not one twice: a jit donating the cache donates each.
+        values = [jnp.zeros(shape, call.cache_dtype or call.dtype) for _ in range(2)]
+        scales = [jnp.zeros(shape[:3], "float32") for _ in range(2 if call.quantized else 0)]
+        return self.from_canonical(call, *values, *scales)
 
     def write(self, call: PagedCall, cache: KVCache, k: Any, v: Any, slots: Any) -> KVCache:
         """The cache with k, v ``[T, Hkv, D]`` at ``slots`` int32 ``[T]``
         (``page * page_size + offset``); a negative slot writes nothing."""
         self._require_canonical(call, "write")
-        pages = canonical_write(call, *cache.arrays, k, v, slots)
+        k_pages, v_pages, *scales = cache.arrays
+        pages = canonical_write(call, k_pages, v_pages, k, v, slots, *scales)
         return KVCache(pages, cache.layout, cache.page_size, cache.num_pages)
 
     @abc.abstractmethod
@@ -265,17 +301,26 @@ class PagedBackend(abc.ABC):
 
 
 def canonical_write(call: PagedCall, k_pages: Any, v_pages: Any, k: Any, v: Any,
-                    slots: Any) -> tuple[Any, Any]:
+                    slots: Any, *scales: Any) -> tuple[Any, ...]:
     """K and V ``[num_pages, page_size, Hkv, D]`` with k, v ``[T, Hkv, D]`` put at
-    ``slots`` ``[T]``; a negative slot (padding) writes nothing. A backend with its
+    ``slots`` ``[T]``; a negative slot (padding) writes nothing. For a quantized
+    call ``scales`` are K's and V's ``[num_pages, page_size, Hkv]``: each token is
+    quantized (:func:`attn_backends.authoring.quantize`) and its values and scales
+    written; the result is then (K, V, K's scales, V's scales). A backend with its
     own layout may write through the canonical view with it."""
     import jax.numpy as jnp
 
     flat = k_pages.shape[0] * call.page_size
     # A negative index would wrap around in .at[]; an index past the end is dropped.
     where = jnp.where(slots < 0, flat, slots)
+    pools, news = [k_pages, v_pages], [k, v]
+    if call.quantized:
+        from .paged_quantize import quantize
+
+        (k, k_scale), (v, v_scale) = (quantize(x, call.cache_dtype) for x in (k, v))
+        pools, news = [k_pages, v_pages, *scales], [k, v, k_scale, v_scale]
     out = []
-    for pages, new in zip((k_pages, v_pages), (k, v), strict=True):
-        rows = pages.reshape(flat, call.kv_heads, call.head_dim)
-        out.append(rows.at[where].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape))
-    return out[0], out[1]
+    for pool, new in zip(pools, news, strict=True):
+        rows = pool.reshape(flat, *pool.shape[2:])
+        out.append(rows.at[where].set(new.astype(pool.dtype), mode="drop").reshape(pool.shape))
+    return tuple(out)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .arguments import check_float, check_scale, check_softcap
-from .paged import KVCache, PagedBatch, PagedCall
+from .paged import CANONICAL_ARRAYS, QUANTIZED_CACHE_DTYPES, KVCache, PagedBatch, PagedCall
 
 
 def _static_int(name: str, value: Any, *, low: int) -> int:
@@ -37,9 +37,26 @@ def _paged_window(window: Any) -> tuple[int, None] | None:
     return (_static_int("window left side", left, low=0), None)
 
 
+def _cache_dtype(cache_dtype: Any, dtype: str) -> str | None:
+    """The quantized dtype the cache is stored in, or None (the call's dtype)."""
+    if cache_dtype is None:
+        return None
+    try:
+        name = np.dtype(cache_dtype).name
+    except TypeError:
+        name = str(cache_dtype)
+    if name == dtype:
+        return None
+    if name not in QUANTIZED_CACHE_DTYPES:
+        raise ValueError(f"cache_dtype: expected one of {list(QUANTIZED_CACHE_DTYPES)} (a "
+                         f"quantized cache), None or dtype={dtype!r} (a cache in the call's "
+                         f"dtype), got {cache_dtype!r}")
+    return name
+
+
 def bind_paged(*, num_q_heads: Any, num_kv_heads: Any, head_dim: Any, page_size: Any,
                dtype: Any, scale: Any = None, softcap: Any = None, window: Any = None,
-               max_q_len: Any = None) -> PagedCall:
+               max_q_len: Any = None, cache_dtype: Any = None) -> PagedCall:
     """Validate ``registry.get_paged``'s call arguments into a :class:`PagedCall`.
 
     Raises ``ValueError`` naming the bad argument, what was expected and what arrived.
@@ -62,14 +79,16 @@ def bind_paged(*, num_q_heads: Any, num_kv_heads: Any, head_dim: Any, page_size:
     return PagedCall(q_heads=hq, kv_heads=hkv, head_dim=d,
                      page_size=_static_int("page_size", page_size, low=1), dtype=name,
                      scale=scale, softcap=check_softcap(softcap),
-                     window=_paged_window(window), max_q_len=max_q_len)
+                     window=_paged_window(window), max_q_len=max_q_len,
+                     cache_dtype=_cache_dtype(cache_dtype, name))
 
 
 def _shape(x: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in x.shape)
 
 
-def _array(name: str, x: Any, shape: tuple[int | None, ...], kind: str) -> tuple[int, ...]:
+def _array(name: str, x: Any, shape: tuple[int | None, ...], kind: str,
+           why: str = "the paged attention's dtype") -> tuple[int, ...]:
     """Check ``x`` is an array of ``shape`` (None: any size) and dtype kind."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name}: expected an array (jax.Array, numpy array or "
@@ -83,8 +102,7 @@ def _array(name: str, x: Any, shape: tuple[int | None, ...], kind: str) -> tuple
     if kind == "int" and not np.issubdtype(dt, np.integer):
         raise ValueError(f"{name}: expected an integer dtype (int32), got {dt.name}")
     if kind != "int" and dt.name != kind:
-        raise ValueError(f"{name}: expected dtype {kind} (the paged attention's dtype), "
-                         f"got {dt.name}")
+        raise ValueError(f"{name}: expected dtype {kind} ({why}), got {dt.name}")
     return got
 
 
@@ -103,9 +121,27 @@ def check_cache(call: PagedCall, cache: Any, layout: str, expected: Any) -> None
         raise ValueError(f"cache: expected page_size {call.page_size}, got {cache.page_size}")
     got = [(_shape(a), np.dtype(a.dtype).name) for a in cache.arrays]
     want = [(_shape(a), np.dtype(a.dtype).name) for a in expected.arrays]
-    if got != want:
-        raise ValueError(f"cache: expected arrays (shape, dtype) {want} for "
-                         f"{cache.num_pages} pages, got {got}")
+    if len(got) != len(want):
+        raise ValueError(f"cache: {_quantization_mismatch(call, got)}")
+    for name, g, w in zip(CANONICAL_ARRAYS, got, want, strict=False):
+        if g != w:
+            raise ValueError(
+                f"cache: expected its {name} (layout {layout!r}, {cache.num_pages} pages) of "
+                f"shape {list(w[0])} and dtype {w[1]}, got shape {list(g[0])} and dtype "
+                f"{g[1]}")
+
+
+def _quantization_mismatch(call: PagedCall, got: list[tuple[tuple[int, ...], str]]) -> str:
+    """Why a cache of ``got``'s arrays does not fit ``call``: it is quantized and the
+    call is not, or the other way round."""
+    dtypes = ", ".join(d for _, d in got)
+    if call.quantized:
+        return (f"expected a {call.cache_dtype} cache of values and scales (4 arrays: "
+                f"{', '.join(CANONICAL_ARRAYS)}), got {len(got)} arrays ({dtypes}): a cache "
+                "in the call's dtype")
+    return (f"got a quantized cache ({len(got)} arrays: {dtypes}), but this paged attention "
+            f"was got for a {call.dtype} cache; get it with registry.get_paged(..., "
+            f"cache_dtype={got[0][1]!r})")
 
 
 def check_write(call: PagedCall, k: Any, v: Any, slots: Any) -> None:
@@ -159,3 +195,43 @@ def check_batch_values(call: PagedCall, q_rows: int, num_pages: int, cu: np.ndar
         if np.any((used < 0) | (used >= num_pages)):
             raise ValueError(f"batch.page_table: sequence {seq} references pages "
                              f"{used.tolist()}, expected each in [0, {num_pages})")
+
+
+def check_canonical(call: PagedCall, k_pages: Any, v_pages: Any, k_scales: Any,
+                    v_scales: Any) -> tuple[Any, ...]:
+    """The canonical view's arrays for ``from_canonical``: K and V ``[num_pages,
+    page_size, Hkv, D]`` in the call's dtype, or its ``cache_dtype`` with scales
+    float32 ``[num_pages, page_size, Hkv]``; the arrays to pass on, in order."""
+    given = {"k_pages": k_pages, "v_pages": v_pages, "k_scales": k_scales, "v_scales": v_scales}
+    want = (call.page_size, call.kv_heads, call.head_dim)
+    values = call.cache_dtype or call.dtype
+    for name in ("k_pages", "v_pages"):
+        x = given[name]
+        shape = tuple(getattr(x, "shape", ()))
+        if len(shape) != 4 or shape[1:] != want or shape[0] < 1:
+            raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, want))}]"
+                             f", got {list(shape)}")
+        got = np.dtype(x.dtype).name
+        if got != values:
+            hint = ("" if call.quantized or got not in QUANTIZED_CACHE_DTYPES else
+                    f"; for a quantized cache get the paged attention with "
+                    f"cache_dtype={got!r} and pass its scales")
+            raise ValueError(f"{name}: expected dtype {values}, got {got}{hint}")
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages, v_pages: expected one shape, got {list(k_pages.shape)}"
+                         f" and {list(v_pages.shape)}")
+    if not call.quantized:
+        for name in ("k_scales", "v_scales"):
+            if given[name] is not None:
+                raise ValueError(f"{name}: given, but this paged attention's cache is not "
+                                 f"quantized (dtype {call.dtype}); get it with cache_dtype= "
+                                 "to store values and scales")
+        return k_pages, v_pages
+    for name in ("k_scales", "v_scales"):
+        x = given[name]
+        if x is None:
+            raise ValueError(f"{name}: missing; a {call.cache_dtype} cache needs K's and V's "
+                             f"scales, float32 [num_pages, {call.page_size}, {call.kv_heads}]")
+        _array(name, x, (int(k_pages.shape[0]), call.page_size, call.kv_heads), "float32",
+               "a quantized cache's scales")
+    return k_pages, v_pages, k_scales, v_scales

@@ -57,9 +57,14 @@ def _check_blocks(paged: PagedAttention, local: PagedCall, axes: tuple[int, ...]
     backend = paged._paged
     call = paged.call
     shape = (1, call.page_size, call.kv_heads, call.head_dim)
-    k = np.arange(np.prod(shape)).reshape(shape).astype(call.dtype)
-    v = -k
-    full = backend.from_canonical(call, k, v)
+    # Values in the cache's dtype (int8 wraps past 127: each position's values
+    # still differ from its neighbours'), and a quantized cache's scales.
+    k = np.arange(np.prod(shape)).reshape(shape).astype(call.cache_dtype or call.dtype)
+    wants = [k, np.flip(k, 1)]
+    if call.quantized:
+        scales = np.arange(np.prod(shape[:3]), dtype=np.float32).reshape(shape[:3])
+        wants += [scales, np.flip(scales, 1)]
+    full = backend.from_canonical(call, *wants)
     per = call.kv_heads // n
     for i in range(n):
         arrays = tuple(np.split(np.asarray(a), n, axis=ax)[i]
@@ -67,7 +72,7 @@ def _check_blocks(paged: PagedAttention, local: PagedCall, axes: tuple[int, ...]
         got = backend.to_canonical(local, KVCache(arrays, full.layout, full.page_size, 1))
         heads = slice(i * per, (i + 1) * per)
         if not all(np.array_equal(np.asarray(g), w[:, :, heads])
-                   for g, w in zip(got, (k, v), strict=True)):
+                   for g, w in zip(got, wants, strict=True)):
             raise ValueError(
                 f"shard_paged_heads: layout {paged.layout!r} of {paged.backend.name!r} does "
                 f"not keep kv heads in contiguous blocks: block {i} of its head axes is not "

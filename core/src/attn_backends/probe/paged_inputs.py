@@ -10,6 +10,7 @@ float64 oracle's answer on it (:func:`attn_backends.oracle.paged_attention`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,27 @@ class PagedCase:
     slots: np.ndarray
     k_rows: np.ndarray
     v_rows: np.ndarray
+    #: A quantized case's K and V scales ``[num_pages, page_size, Hkv]`` (its
+    #: ``k_pages``/``v_pages`` then hold the quantized values); None otherwise.
+    k_scales: np.ndarray | None = None
+    v_scales: np.ndarray | None = None
+
+    def canonical(self) -> tuple[np.ndarray, ...]:
+        """The canonical view's arrays, as ``from_canonical`` takes them: K and V,
+        and a quantized case's scales."""
+        scales = () if self.k_scales is None else (self.k_scales, self.v_scales)
+        return (self.k_pages, self.v_pages, *scales)
+
+    def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
+        """K and V ``[num_pages, page_size, Hkv, D]`` in float64: a quantized case's
+        values times their scales, exactly (docs/DESIGN.md, "Quantized caches")."""
+        k, v = (np.asarray(x).astype(np.float64) for x in (self.k_pages, self.v_pages))
+        if self.k_scales is None:
+            return k, v
+        # Garbage slots hold Inf scales times 0 values: NaN there, as intended.
+        with np.errstate(invalid="ignore"):
+            return (k * np.asarray(self.k_scales, np.float64)[..., None],
+                    v * np.asarray(self.v_scales, np.float64)[..., None])
 
     @property
     def page_size(self) -> int:
@@ -72,15 +94,17 @@ class PagedCase:
         return np.asarray(out, np.int32)
 
     def expected(self, **call: Any) -> np.ndarray:
-        """The float64 oracle's answer (``call``: scale, softcap, window)."""
-        return oracle(self.q, self.k_pages, self.v_pages, self.cu_q_lens, self.kv_lens,
+        """The float64 oracle's answer (``call``: scale, softcap, window) on the
+        (dequantized) cache."""
+        return oracle(self.q, *self.dequantized(), self.cu_q_lens, self.kv_lens,
                       self.page_table, self.num_seqs, **call)
 
 
 def paged_case(seqs: Sequence[tuple[int, int]], *, page_size: int, hq: int = 4,
                hkv: int = 2, d: int = 8, num_seqs: int | None = None, order: str = "random",
                pad_rows: int = 0, extra_cols: int = 1, spare_pages: int = 2,
-               garbage: bool = True, seed: int = 0) -> PagedCase:
+               garbage: bool = True, seed: int = 0,
+               cache_dtype: str | None = None) -> PagedCase:
     """A batch of sequences ``(q_len, kv_len)``; only the first ``num_seqs`` count
     (default all), the rest are uncounted table rows with garbage metadata.
 
@@ -91,6 +115,11 @@ def paged_case(seqs: Sequence[tuple[int, int]], *, page_size: int, hq: int = 4,
     ``kv_lens``, table entries past a sequence's last page, padding rows,
     uncounted sequences' metadata. Without it, zeros: the same case's
     zero-filled twin (the same seed draws the same values).
+
+    ``cache_dtype`` (int8, float8_e4m3fn, float8_e5m2): the pages hold each
+    filled position's K and V quantized (:func:`quantize_rows`) with their
+    scales; with ``garbage``, unfilled positions hold arbitrary bytes (NaN and
+    Inf where the dtype has them) and NaN, Inf and -Inf in their scale slots.
     """
     rng = np.random.default_rng(seed)
     num_seqs = len(seqs) if num_seqs is None else num_seqs
@@ -135,6 +164,74 @@ def paged_case(seqs: Sequence[tuple[int, int]], *, page_size: int, hq: int = 4,
     start = int(cu[num_seqs])
     q[start:] = _garbage(q[start:].shape) if garbage else 0.0
     empty = np.zeros((0, hkv, d), np.float32)
-    return PagedCase(q, k_pages, v_pages, cu, kv_lens, table, num_seqs,
+    case = PagedCase(q, k_pages, v_pages, cu, kv_lens, table, num_seqs,
                      np.asarray(slots, np.int32), np.asarray(k_rows) if k_rows else empty,
                      np.asarray(v_rows) if v_rows else empty)
+    return case if cache_dtype is None else _quantized(case, cache_dtype, garbage)
+
+
+#: The largest value each quantized cache dtype stores (docs/DESIGN.md).
+QUANTIZED_LARGEST = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def quantize_rows(x: np.ndarray, cache_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """x ``[..., D]`` -> (values ``[..., D]`` in ``cache_dtype``, float32 scales
+    ``[...]``) by the contract's rule, in NumPy: ``scale = max|x| / largest``;
+    int8 values rounded half to even, float8 values rounded by the cast; a row
+    of zeros stores scale 0. Finite rows only."""
+    import ml_dtypes  # noqa: F401 - registers the float8 dtypes with NumPy
+
+    x = np.asarray(x, np.float32)
+    largest = np.float32(QUANTIZED_LARGEST[cache_dtype])
+    scales = (np.max(np.abs(x), axis=-1) / largest).astype(np.float32)
+    ratio = x / np.where(scales > 0, scales, np.float32(1))[..., None]
+    ratio = np.clip(ratio, -largest, largest)
+    if cache_dtype == "int8":
+        ratio = np.rint(ratio)
+    return ratio.astype(np.dtype(cache_dtype)), scales
+
+
+#: Mantissa bits of each float8 format: a value's spacing is ``2**(e - bits)``.
+_MANTISSA = {"float8_e4m3fn": 3, "float8_e5m2": 2}
+
+
+def half_step(values: np.ndarray, cache_dtype: str) -> np.ndarray:
+    """Half the distance from each stored value to its neighbours in ``cache_dtype``,
+    in units of its scale, float64 like ``values``: 0.5 for int8; for float8 half
+    the spacing at the value (the wider one, below a power of two), never below
+    half the smallest subnormal step. An element is quantized right when it lies
+    within ``half_step * scale`` of ``value * scale``."""
+    if cache_dtype == "int8":
+        return np.full(values.shape, 0.5)
+    import ml_dtypes
+
+    tiny = float(ml_dtypes.finfo(np.dtype(cache_dtype)).smallest_subnormal)
+    bits = _MANTISSA[cache_dtype]
+    return 0.5 * np.maximum(np.abs(values.astype(np.float64)) * 2.0 ** -bits, tiny)
+
+
+def _quantized(case: PagedCase, cache_dtype: str, garbage: bool) -> PagedCase:
+    """``case`` with its filled positions quantized and garbage (or zeros) elsewhere."""
+    import ml_dtypes  # noqa: F401 - registers the float8 dtypes with NumPy
+
+    dtype = np.dtype(cache_dtype)
+    shape = case.k_pages.shape
+    flat = shape[0] * shape[1]
+    arrays = []
+    for pages, rows, flip in ((case.k_pages, case.k_rows, False),
+                              (case.v_pages, case.v_rows, True)):
+        if garbage:
+            # Every byte value in turn (for float8: NaN and +-Inf among them).
+            values = np.resize(np.arange(256, dtype=np.uint8), pages.size).view(dtype)
+            values = values.reshape(shape)
+            scales = _garbage(shape[:3])
+            if flip:
+                values, scales = values[::-1].copy(), scales[::-1].copy()
+        else:
+            values, scales = np.zeros(shape, dtype), np.zeros(shape[:3], np.float32)
+        q, s = quantize_rows(rows, cache_dtype)
+        values.reshape(flat, *shape[2:])[case.slots] = q
+        scales.reshape(flat, shape[2])[case.slots] = s
+        arrays += [values, scales]
+    return dataclasses.replace(case, k_pages=arrays[0], v_pages=arrays[2], k_scales=arrays[1],
+                               v_scales=arrays[3])

@@ -19,7 +19,8 @@ def paged_attention(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch) 
     if rows == 0 or batch.kv_lens.shape[0] == 0:
         return jnp.zeros_like(q)
     wide = jnp.dtype(call.accumulation_dtype)
-    keys, values, seq, owned, visible = paged_dense(call, *cache.arrays, batch, rows)
+    k_pages, v_pages, *scales = cache.arrays
+    keys, values, seq, owned, visible = paged_dense(call, k_pages, v_pages, batch, rows, scales)
     qg = jnp.where(owned[:, None, None], q, 0).astype(wide)
     qg = qg.reshape(rows, call.kv_heads, call.group, call.head_dim)
     logits = jnp.einsum("tkgd,tlkd->tkgl", qg, keys[seq].astype(wide),

@@ -8,6 +8,7 @@ from attn_backends import (
     CLAIMABLE_DTYPES,
     FEATURES,
     PLATFORMS,
+    QUANTIZED_CACHE_DTYPES,
     AttentionCall,
     Backend,
     KVCache,
@@ -34,10 +35,11 @@ class ReferenceBackend(Backend, PagedBackend):
                             jax_versions=">=0.10")
     priority = {"cpu": 0, "gpu": 0, "tpu": 0}
     # Any page size, head dim and batch shape; init_cache, write and the
-    # canonical round trip are PagedBackend's canonical-layout defaults.
+    # canonical round trip are PagedBackend's canonical-layout defaults. Every
+    # quantized cache (the gathered positions dequantized).
     paged_capabilities = PagedCapabilities(platforms=PLATFORMS, dtypes=CLAIMABLE_DTYPES,
                                            gqa=True, softcap=True, window=True,
-                                           check_vma=True)
+                                           check_vma=True, cache_dtypes=QUANTIZED_CACHE_DTYPES)
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                options: Any = None) -> Any:

@@ -31,6 +31,10 @@ Each iteration gathers one block of pages per tile of the group,
 follows the rows, the sequences, the group and the block, never the pool
 (``num_pages``) nor the table's width.
 
+A quantized cache (``call.cache_dtype``) adds K's and V's scales ``[Hkv,
+num_pages, page_size]``: each block's values are multiplied by their
+positions' scales as the block is read, in the accumulation dtype.
+
 Garbage (NaN, Inf) in pages no row may see, past ``kv_lens``, behind table
 entries past a sequence's last page, or in padding rows is selected away
 (``where``), never multiplied by a zero weight; a padding row's output is never
@@ -43,7 +47,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from attn_backends import KVCache, PagedBatch, PagedCall
-from attn_backends.authoring import vary_like
+from attn_backends.authoring import dequantize, vary_like
 from jax import lax
 
 from ._config import PagedConfig
@@ -147,7 +151,7 @@ def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: 
     block of keys ``[Hkv, G, block_keys, D]`` gathered from the head's own pool,
     so both products are batched over ``(Hkv, G)`` with nothing transposed.
     """
-    k_pages, v_pages = cache.arrays
+    k_pages, v_pages, *scales = cache.arrays
     wide = jnp.dtype(call.accumulation_dtype)
     width = batch.page_table.shape[1]
     # More pages per block than the table has columns would only read clipped
@@ -183,10 +187,14 @@ def _attend(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch, config: 
         visible = filled[:, None, :] & tiles.owned[..., None]
         visible &= pos <= tiles.pos[..., None]
         visible &= pos >= first[..., None]
-        keys, values = (
-            jnp.where(filled[None, :, :, None],
-                      x[:, pages].reshape(heads, count, block_keys, dim), 0)
-            for x in (k_pages, v_pages))
+        keys, values = (x[:, pages].reshape(heads, count, block_keys, dim)
+                        for x in (k_pages, v_pages))
+        if scales:
+            # A quantized cache: this block's values times their positions' scales
+            # ([Hkv, num_pages, page_size] each), never the whole pool at once.
+            keys, values = (dequantize(x, s[:, pages].reshape(heads, count, block_keys), wide)
+                            for x, s in zip((keys, values), scales, strict=True))
+        keys, values = (jnp.where(filled[None, :, :, None], x, 0) for x in (keys, values))
         logits = jnp.einsum("hnrd,hnld->hnrl", qg, keys.astype(wide),
                             precision=lax.Precision.HIGHEST) * call.scale
         if call.softcap is not None:

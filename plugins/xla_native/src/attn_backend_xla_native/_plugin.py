@@ -9,6 +9,7 @@ from attn_backends import (
     CLAIMABLE_DTYPES,
     FEATURES,
     PLATFORMS,
+    QUANTIZED_CACHE_DTYPES,
     AttentionCall,
     Backend,
     KVCache,
@@ -60,10 +61,12 @@ class XlaNativeBackend(Backend, HeadsFirstPagedBackend):
     hlo_marker = "xla_native_forward"
     # Any page size, head dim and batch shape (mixed prefill and decode), every
     # dtype as in the dense manifest (float64 in float64); init_cache, write and
-    # the canonical round trip are core's heads_first layout's.
+    # the canonical round trip are core's heads_first layout's. Every quantized
+    # cache: each block of values is dequantized as it is read.
     paged_capabilities = PagedCapabilities(platforms=PLATFORMS, dtypes=CLAIMABLE_DTYPES,
                                            gqa=True, softcap=True, window=True,
-                                           check_vma=True, jax_versions=">=0.10,<0.13")
+                                           check_vma=True, jax_versions=">=0.10,<0.13",
+                                           cache_dtypes=QUANTIZED_CACHE_DTYPES)
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                options: Any = None) -> Any:

@@ -3,8 +3,8 @@ quantizer against an independent NumPy one, the rule for zeros and non-finite
 rows, bad input named, and selection that moves past a backend declining the
 cache with its reason in ``explain``.
 
-The backends are the installed reference and xla_native (both claim every
-quantized dtype) and native_cpu (which claims none).
+The backends are the installed reference, xla_native and native_cpu (each
+claims every quantized dtype), and a fake that claims none.
 """
 
 from __future__ import annotations
@@ -106,20 +106,26 @@ def test_bad_scales_and_unquantized_calls_are_named(registry: ab.Registry) -> No
         fp8(jnp.asarray(case.q), cache, case.batch())
 
 
-def test_a_backend_reading_no_quantized_cache_is_passed_over_with_its_reason(
-        registry: ab.Registry) -> None:
+def test_a_backend_reading_no_quantized_cache_is_passed_over_with_its_reason() -> None:
+    """A fake paged backend above xla_native that claims no quantized cache."""
+    from _paged_support import make_paged_backend
+    from _support import Plugin
+    from attn_backend_xla_native._plugin import XlaNativeBackend
+
+    registry = ab.Registry(probe=None, autoload=False, plugins=[
+        Plugin(make_paged_backend("plain", priority=99)), Plugin(XlaNativeBackend())])
     explanation = registry.explain_paged(device="cpu", cache_dtype="float8_e4m3fn", **CALL)
     verdicts = {v.backend: v for v in explanation.verdicts}
-    assert not verdicts["native_cpu"].accepted
-    assert verdicts["native_cpu"].reasons == (
+    assert not verdicts["plain"].accepted
+    assert verdicts["plain"].reasons == (
         "cache_dtype float8_e4m3fn: reads no such quantized cache (reads none)",)
     assert explanation.chosen == "xla_native"
     assert "cache_dtype=float8_e4m3fn" in str(explanation)
-    with pytest.warns(ab.FallbackWarning, match="passing over native_cpu: cache_dtype"):
+    with pytest.warns(ab.FallbackWarning, match="passing over plain: cache_dtype"):
         registry.get_paged(device="cpu", cache_dtype="float8_e4m3fn", **CALL)
-    with pytest.raises(ab.UnsupportedError, match="backend='native_cpu' cannot serve .* "
+    with pytest.raises(ab.UnsupportedError, match="backend='plain' cannot serve .* "
                                                   "cache_dtype=int8 on cpu: cache_dtype int8"):
-        registry.get_paged(device="cpu", backend="native_cpu", cache_dtype="int8", **CALL)
+        registry.get_paged(device="cpu", backend="plain", cache_dtype="int8", **CALL)
 
 
 def test_a_quantized_cache_serves_step_after_step_as_a_user_keeps_it(

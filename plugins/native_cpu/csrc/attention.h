@@ -45,12 +45,20 @@ enum class DType { kF32, kBF16 };
 // Caches are canonical: [num_pages, page_size, Hkv, D]. Queries are causal,
 // aligned so a sequence's last row sees all its keys; window_left >= 0 bounds
 // how far back a row sees.
+// How a paged cache stores K and V: in the call's dtype, or quantized (the
+// contract's rule: value * scale, one float32 scale per position and kv head,
+// scales [num_pages, page_size, Hkv]).
+enum class CacheType { kSame, kInt8, kE4M3, kE5M2 };
+
 struct PagedArgs {
   const int32_t* cu_q_lens;   // [seqs + 1]
   const int32_t* kv_lens;     // [seqs]
   const int32_t* page_table;  // [seqs, table_width]
   int64_t num_seqs, seqs, table_width, page_size, num_pages;
   int64_t window_left = -1;
+  CacheType cache = CacheType::kSame;
+  const float* k_scales = nullptr;  // a quantized cache's: [num_pages, page_size, Hkv]
+  const float* v_scales = nullptr;
 };
 
 // The kernels, compiled once per instruction set (attention.cc); Forward and
@@ -65,7 +73,8 @@ struct PagedArgs {
                 const void* out, const float* lse, const void* dout, const float* dlse,    \
                 void* dq, void* dk, void* dv, const ParallelFor& parallel_for);            \
   /* out [T, Hq, D] (dtype) of q [T, Hq, D] over a paged cache (p.shape: q_len = T,  \
-     q_heads, kv_heads, head_dims; batch, kv_len unused). */                               \
+     q_heads, kv_heads, head_dims; batch, kv_len unused), K and V in dtype or quantized \
+     (a.cache). */                                                                         \
   void PagedForward(const Params& p, const PagedArgs& a, DType dtype, const void* q,       \
                     const void* k, const void* v, void* out, const ParallelFor& parallel_for);
 

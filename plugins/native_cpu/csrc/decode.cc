@@ -53,7 +53,8 @@ void DecodeSplit(const Params& p, DType dtype, const ViewOf& view_of, int64_t lo
   // Every head's rows are the same positions, so see the same keys.
   lo = std::max(lo, heads[0].first);
   hi = std::min(hi, heads[0].last);
-  const int64_t elem = dtype == DType::kF32 ? 4 : 2;
+  // Bytes per element of K and V: a quantized cache's are one.
+  const int64_t elem = view_of(0).cache() != CacheType::kSame ? 1 : dtype == DType::kF32 ? 4 : 2;
   const int64_t k_bytes = s.kv_heads * s.head_dim * elem;
   const int64_t v_bytes = s.kv_heads * s.v_head_dim * elem;
   const auto row_start = view_of(0).keys();  // head 0: where each key's run of heads starts

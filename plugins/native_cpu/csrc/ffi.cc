@@ -138,13 +138,21 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   return ffi::Error::Success();
 }
 
+// A quantized cache's type and scales (kSame: none).
+struct Quantized {
+  an::CacheType cache;
+  const float* k_scales;
+  const float* v_scales;
+};
+
 // q [T, Hq, D]; k_pages, v_pages [num_pages, page_size, Hkv, D] (canonical);
 // cu_q_lens [S+1], kv_lens [S], page_table [S, P], num_seqs [1], all int32.
-ffi::Error PagedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
-                     ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> cu_q_lens,
-                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
-                     ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out,
-                     float scale, float softcap, int64_t window_left, int64_t threads) {
+ffi::Error RunPaged(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                    ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> cu_q_lens,
+                    ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                    ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out,
+                    float scale, float softcap, int64_t window_left, int64_t threads,
+                    Quantized quantized) {
   an::DType dtype;
   if (auto e = ReadDType(q, &dtype); e.failure()) return e;
   auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
@@ -159,14 +167,80 @@ ffi::Error PagedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pa
   p.scale = scale;
   p.softcap = softcap;
   an::PagedArgs a{cu_q_lens.typed_data(), kv_lens.typed_data(), page_table.typed_data(),
-                  num_seqs.typed_data()[0], td[0], td[1], kd[1], kd[0], window_left};
+                  num_seqs.typed_data()[0], td[0], td[1], kd[1], kd[0], window_left,
+                  quantized.cache, quantized.k_scales, quantized.v_scales};
   if (a.num_pages == 0 || a.page_size == 0) a.num_seqs = 0;  // no key can be read
   an::PagedForward(p, a, dtype, q.untyped_data(), k_pages.untyped_data(),
                    v_pages.untyped_data(), out->untyped_data(), PoolFor(pool, threads));
   return ffi::Error::Success();
 }
 
+ffi::Error PagedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                     ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> cu_q_lens,
+                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                     ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out,
+                     float scale, float softcap, int64_t window_left, int64_t threads) {
+  if (k_pages.element_type() != q.element_type() ||
+      v_pages.element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("attn_native_cpu paged: K and V in q's dtype");
+  }
+  return RunPaged(pool, q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, out,
+                  scale, softcap, window_left, threads, {an::CacheType::kSame, nullptr, nullptr});
+}
+
+// PagedImpl over a quantized cache: k_pages, v_pages int8 or float8 (e4m3fn,
+// e5m2) [num_pages, page_size, Hkv, D], read in place; k_scales, v_scales
+// float32 [num_pages, page_size, Hkv].
+ffi::Error PagedQuantizedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                              ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
+                              ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> cu_q_lens,
+                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                              ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out,
+                              float scale, float softcap, int64_t window_left,
+                              int64_t threads) {
+  an::CacheType cache;
+  switch (k_pages.element_type()) {
+    case ffi::DataType::S8: cache = an::CacheType::kInt8; break;
+    case ffi::DataType::F8E4M3FN: cache = an::CacheType::kE4M3; break;
+    case ffi::DataType::F8E5M2: cache = an::CacheType::kE5M2; break;
+    default:
+      return ffi::Error::InvalidArgument(
+          "attn_native_cpu paged: a quantized cache is int8, float8_e4m3fn or float8_e5m2");
+  }
+  if (v_pages.element_type() != k_pages.element_type()) {
+    return ffi::Error::InvalidArgument("attn_native_cpu paged: K and V of one dtype");
+  }
+  auto kd = k_pages.dimensions(), sd = k_scales.dimensions();
+  if (kd.size() != 4 || sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2] ||
+      v_scales.element_count() != k_scales.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "attn_native_cpu paged: expected scales [num_pages, page_size, Hkv] beside pages "
+        "[num_pages, page_size, Hkv, D]");
+  }
+  return RunPaged(pool, q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, out,
+                  scale, softcap, window_left, threads,
+                  {cache, k_scales.typed_data(), v_scales.typed_data()});
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnNativeCpuPagedQuantized, PagedQuantizedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k_pages
+                                  .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnNativeCpuPaged, PagedImpl,
                               ffi::Ffi::Bind()

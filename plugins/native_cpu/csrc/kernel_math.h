@@ -166,7 +166,130 @@ inline Vec LoadVec(const uint16_t* p) {
 inline float ToF32(float x) { return x; }
 inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
 
+// A quantized cache's elements (CacheType): int8 as int8_t, and the two
+// float8 formats as one-byte types of their own, so each has its own
+// overloads of ToF32 and LoadVec and a tile reads it where it lies, widening
+// in registers. Values only: the scale is applied by the caller.
+struct E4M3 {
+  uint8_t bits;
+};
+struct E5M2 {
+  uint8_t bits;
+};
+
+inline float BitsToF32(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float ToF32(int8_t x) { return static_cast<float>(x); }
+
+// float8_e4m3fn: bias 7, 3 mantissa bits, no infinities, NaN at 0x7f/0xff.
+// Normal numbers move their fields into float32's (bias 127); subnormals are
+// mantissa * 2^-9, computed as such (no float32 subnormal, which a thread with
+// denormals flushed would read as 0).
+inline float ToF32(E4M3 x) {
+  const uint32_t mag = x.bits & 0x7fu, sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
+  if (mag == 0x7fu) return std::numeric_limits<float>::quiet_NaN();
+  const float f = (mag >> 3) == 0 ? static_cast<float>(mag) * 0x1p-9f
+                                  : BitsToF32((mag << 20) + ((127u - 7u) << 23));
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return BitsToF32(bits | sign);
+}
+
+// float8_e5m2: bias 15, 2 mantissa bits, infinity at exponent 31, mantissa 0.
+inline float ToF32(E5M2 x) {
+  const uint32_t mag = x.bits & 0x7fu, sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
+  uint32_t bits;
+  if (mag > 0x7cu) {
+    bits = 0x7fc00000u;
+  } else if (mag == 0x7cu) {
+    bits = 0x7f800000u;
+  } else if ((mag >> 2) == 0) {
+    const float f = static_cast<float>(mag) * 0x1p-16f;
+    std::memcpy(&bits, &f, sizeof bits);
+  } else {
+    bits = (mag << 21) + ((127u - 15u) << 23);
+  }
+  return BitsToF32(bits | sign);
+}
+
 inline void StoreVec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// kLanes one-byte values from p, widened to 32-bit lanes.
+typedef uint8_t VecB __attribute__((vector_size(ATTN_VEC_BYTES / 4)));
+typedef int8_t VecSB __attribute__((vector_size(ATTN_VEC_BYTES / 4)));
+
+#if defined(__AVX2__) && ATTN_VEC_BYTES == 32
+// One vpmovsxbd / vpmovzxbd from memory: GCC compiles the generic conversion
+// below lane by lane.
+inline Vec LoadVec(const int8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+inline VecU WidenBytes(const void* p) {
+  return (VecU)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+#else
+inline Vec LoadVec(const int8_t* p) {
+  VecSB b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, Vec);
+}
+
+inline VecU WidenBytes(const void* p) {
+  VecB b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, VecU);
+}
+#endif
+
+inline VecU SplatU(uint32_t x) { return VecU{} + x; }
+
+// The float8 formats as ToF32 reads them, a vector at a time (no table, no
+// branch): the fields moved into float32's, subnormals by a product,
+// NaN and infinity blended in.
+inline Vec LoadVec(const E4M3* p) {
+  const VecU w = WidenBytes(p), mag = w & SplatU(0x7fu), sign = (w & SplatU(0x80u)) << 24;
+  const VecU normal = (mag << 20) + SplatU((127u - 7u) << 23);
+  const Vec sub = __builtin_convertvector(mag, Vec) * 0x1p-9f;
+  VecU bits = (mag >> 3) == SplatU(0) ? (VecU)sub : normal;
+  bits = mag == SplatU(0x7fu) ? SplatU(0x7fc00000u) : bits;
+  return (Vec)(bits | sign);
+}
+
+inline Vec LoadVec(const E5M2* p) {
+  const VecU w = WidenBytes(p), mag = w & SplatU(0x7fu), sign = (w & SplatU(0x80u)) << 24;
+  const VecU normal = (mag << 21) + SplatU((127u - 15u) << 23);
+  const Vec sub = __builtin_convertvector(mag, Vec) * 0x1p-16f;
+  VecU bits = (mag >> 2) == SplatU(0) ? (VecU)sub : normal;
+  bits = mag == SplatU(0x7cu) ? SplatU(0x7f800000u) : bits;
+  bits = mag > SplatU(0x7cu) ? SplatU(0x7fc00000u) : bits;
+  return (Vec)(bits | sign);
+}
+
+// n values of a quantized cache (cache, element type by CacheType) at src +
+// offset, times scale, into float32 dst.
+template <class T>
+inline void DequantizeAs(const void* src, int64_t offset, int64_t n, float scale, float* dst) {
+  const T* s = static_cast<const T*>(src) + offset;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) StoreVec(dst + i, LoadVec(s + i) * scale);
+  for (; i < n; ++i) dst[i] = ToF32(s[i]) * scale;
+}
+
+inline void DequantizeRow(CacheType cache, const void* src, int64_t offset, int64_t n,
+                          float scale, float* dst) {
+  switch (cache) {
+    case CacheType::kInt8: return DequantizeAs<int8_t>(src, offset, n, scale, dst);
+    case CacheType::kE4M3: return DequantizeAs<E4M3>(src, offset, n, scale, dst);
+    case CacheType::kE5M2: return DequantizeAs<E5M2>(src, offset, n, scale, dst);
+    case CacheType::kSame: break;
+  }
+}
 
 // One tile: rows [0, R) x columns [j, j + w) of C, w = 2 * kLanes (full) or
 // less (the last columns, plain loops).

@@ -69,6 +69,19 @@ void KeyRows(DType dtype, const void* src, int64_t width, const Keys& keys, int6
   });
 }
 
+// A quantized cache's K (or V) block [j0, j0 + nk) dequantized into `scratch`
+// [nk][width] (each row times its position's scale, `scales` indexed as the
+// rows are, one per width values), as float32 row pointers `rows[jj]`.
+template <class Keys>
+void DequantizedRows(CacheType cache, const void* src, const float* scales, int64_t width,
+                     const Keys& keys, int64_t j0, int64_t nk, float* scratch,
+                     const float** rows) {
+  keys.Each(j0, nk, width, [&](int64_t jj, int64_t at) {
+    DequantizeRow(cache, src, at, width, scales[at / width], scratch + jj * width);
+    rows[jj] = scratch + jj * width;
+  });
+}
+
 // cols[d][jj] = rows[jj][d]: a key block transposed [width][kBlockKeys], for
 // the GEMMs that take keys as columns.
 inline void TransposeRows(const float* const* rows, int64_t nk, int64_t width, float* cols) {
@@ -144,6 +157,9 @@ struct DenseView {
   }
   Range range(int64_t r) const { return Visible(p, rows.b, rows.position(r)); }
   DenseKeys keys() const { return {p.shape, rows.b, rows.g}; }
+  CacheType cache() const { return CacheType::kSame; }
+  const float* k_scales() const { return nullptr; }
+  const float* v_scales() const { return nullptr; }
 };
 
 // The online softmax of one tile of query rows (a View: count, q_offset,
@@ -156,22 +172,36 @@ struct TileState {
   View view;
   int64_t m, dims, vdims;
   bool dot;  // scores by DotScores (few rows), else by the GEMM on transposed keys
-  std::vector<float> qs, acc, row_max, row_sum, kt, sc, scratch;
+  // A quantized cache (PagedView): a dot tile reads its values in place and
+  // applies the scales to the scores (K's) and to the weights (V's); a GEMM
+  // tile dequantizes each block into scratch.
+  CacheType cache;
+  std::vector<float> qs, acc, row_max, row_sum, kt, sc, scratch, block_scales;
   std::vector<const float*> krows, vrows;
   std::vector<const uint16_t*> hrows;  // a dot tile's bfloat16 rows, read in place
+  std::vector<const int8_t*> i8rows;   // a dot tile's quantized rows, read in place
+  std::vector<const E4M3*> e4rows;
+  std::vector<const E5M2*> e5rows;
   std::vector<Range> range;
   int64_t first = std::numeric_limits<int64_t>::max(), last = 0;  // the rows' visible keys
 
   TileState(const Params& params, DType type, const View& v, const void* q)
       : p(params), dtype(type), view(v), m(v.count()), dims(params.shape.head_dim),
-        vdims(params.shape.v_head_dim), dot(m <= kDotRows), qs(m * dims), acc(m * vdims, 0.0f),
-        row_max(m, kNegInf), row_sum(m, 0.0f),
+        vdims(params.shape.v_head_dim), dot(m <= kDotRows), cache(v.cache()), qs(m * dims),
+        acc(m * vdims, 0.0f), row_max(m, kNegInf), row_sum(m, 0.0f),
         kt(dot || v.key_columns() != nullptr ? 0 : dims * kBlockKeys),
         sc(m * kBlockKeys),
-        // One widening scratch for a GEMM tile's bfloat16 K then V: K's rows
-        // are done with once the scores are. Dot tiles widen as they read.
-        scratch(Scratch(type, dot ? 0 : kBlockKeys * std::max(dims, vdims))), krows(kBlockKeys),
-        vrows(kBlockKeys), hrows(dot && type != DType::kF32 ? kBlockKeys : 0), range(m) {
+        // One widening scratch for a GEMM tile's bfloat16 or quantized K then
+        // V: K's rows are done with once the scores are. Dot tiles widen as
+        // they read.
+        scratch(dot || (type == DType::kF32 && cache == CacheType::kSame)
+                    ? 0 : kBlockKeys * std::max(dims, vdims)),
+        block_scales(dot && cache != CacheType::kSame ? kBlockKeys : 0), krows(kBlockKeys),
+        vrows(kBlockKeys),
+        hrows(dot && type != DType::kF32 && cache == CacheType::kSame ? kBlockKeys : 0),
+        i8rows(dot && cache == CacheType::kInt8 ? kBlockKeys : 0),
+        e4rows(dot && cache == CacheType::kE4M3 ? kBlockKeys : 0),
+        e5rows(dot && cache == CacheType::kE5M2 ? kBlockKeys : 0), range(m) {
     for (int64_t r = 0; r < m; ++r) {
       range[r] = view.range(r);
       if (range[r].lo < range[r].hi) {
@@ -192,6 +222,12 @@ struct TileState {
       InPlace(k, dims, j0, nk, [&](auto rows) {
         DotScores(m, nk, dims, qs.data(), rows, sc.data(), kBlockKeys, ahead, lines);
       });
+      if (cache != CacheType::kSame) ScaleVisible(view.k_scales(), j0, nk);
+    } else if (cache != CacheType::kSame) {
+      DequantizedRows(cache, k, view.k_scales(), dims, keys, j0, nk, scratch.data(),
+                      krows.data());
+      Sgemm(false, true, m, nk, dims, qs.data(), dims, krows[0], dims, 0.0f, sc.data(),
+            kBlockKeys);
     } else if (const float* cols = view.key_columns()) {  // S = Q K^T, K^T stored: no packing
       Sgemm(false, false, m, nk, dims, qs.data(), dims, cols + j0, p.shape.kv_len, 0.0f,
             sc.data(), kBlockKeys);
@@ -226,12 +262,20 @@ struct TileState {
       for (int64_t d = 0; d < vdims; ++d) o[d] *= alpha;
     }
     if (dot) {
+      // The weights of a quantized cache's keys times V's scales: acc gets
+      // p * (value * scale), the sums above took p alone.
+      if (cache != CacheType::kSame) ScaleVisible(view.v_scales(), j0, nk);
       InPlace(v, vdims, j0, nk, [&](auto rows) {
         Gemm(m, vdims, nk, sc.data(), kBlockKeys, RowListOf(rows), acc.data(), vdims, true);
       });
       return;
     }
-    KeyRows(dtype, v, vdims, keys, j0, nk, scratch.data(), vrows.data());
+    if (cache != CacheType::kSame) {
+      DequantizedRows(cache, v, view.v_scales(), vdims, keys, j0, nk, scratch.data(),
+                      vrows.data());
+    } else {
+      KeyRows(dtype, v, vdims, keys, j0, nk, scratch.data(), vrows.data());
+    }
     const int64_t v_stride = UniformStride(vrows.data(), nk, vdims);
     if (v_stride > 0) {  // OpenBLAS: acc += P V
       Sgemm(false, false, m, vdims, nk, sc.data(), kBlockKeys, vrows[0], v_stride, 1.0f,
@@ -241,10 +285,37 @@ struct TileState {
     }
   }
 
-  // f(rows): the rows of K or V block [j0, j0 + nk) where they lie, float32 or
-  // bfloat16 (uint16_t) by the call's dtype.
+  // sc[r][jj] *= scales of key j0 + jj (a quantized cache's, [num_pages,
+  // page_size, Hkv]) over each row's visible keys only: a NaN scale (a
+  // non-finite token) never reaches a row that does not see its key.
+  void ScaleVisible(const float* scales, int64_t j0, int64_t nk) {
+    view.keys().Each(j0, nk, 1, [&](int64_t jj, int64_t at) { block_scales[jj] = scales[at]; });
+    for (int64_t r = 0; r < m; ++r) {
+      int64_t a, e;
+      BlockSpan(range[r], j0, nk, &a, &e);
+      float* sr = sc.data() + r * kBlockKeys;
+      for (int64_t jj = a; jj < e; ++jj) sr[jj] *= block_scales[jj];
+    }
+  }
+
+  // f(rows): the rows of K or V block [j0, j0 + nk) where they lie: a
+  // quantized cache's values (int8_t, E4M3, E5M2), else float32 or bfloat16
+  // (uint16_t) by the call's dtype.
   template <class F>
   void InPlace(const void* src, int64_t width, int64_t j0, int64_t nk, const F& f) {
+    switch (cache) {
+      case CacheType::kInt8:
+        RowsInPlace(src, width, view.keys(), j0, nk, i8rows.data());
+        return f(i8rows.data());
+      case CacheType::kE4M3:
+        RowsInPlace(src, width, view.keys(), j0, nk, e4rows.data());
+        return f(e4rows.data());
+      case CacheType::kE5M2:
+        RowsInPlace(src, width, view.keys(), j0, nk, e5rows.data());
+        return f(e5rows.data());
+      case CacheType::kSame:
+        break;
+    }
     if (dtype == DType::kF32) {
       RowsInPlace(src, width, view.keys(), j0, nk, krows.data());
       f(krows.data());
@@ -325,6 +396,9 @@ struct PagedView {
   }
   PagedKeys keys() const { return {a, seq, g, p.shape.kv_heads}; }
   const float* key_columns() const { return nullptr; }  // pages are read in place
+  CacheType cache() const { return a.cache; }
+  const float* k_scales() const { return a.k_scales; }
+  const float* v_scales() const { return a.v_scales; }
 };
 
 // Calls with few query rows per kv head (group x positions <= kDotRows) take

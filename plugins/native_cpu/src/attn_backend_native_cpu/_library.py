@@ -20,6 +20,7 @@ TARGETS = {
     "forward": ("AttnNativeCpuForward", "attn_native_cpu_forward"),
     "backward": ("AttnNativeCpuBackward", "attn_native_cpu_backward"),
     "paged": ("AttnNativeCpuPaged", "attn_native_cpu_paged"),
+    "paged_quantized": ("AttnNativeCpuPagedQuantized", "attn_native_cpu_paged_quantized"),
 }
 HOW_TO_BUILD = ("reinstall the distribution so it compiles (pip install --force-reinstall "
                 "attn-backend-native-cpu, or ./plugins/native_cpu from a checkout; needs a "

@@ -53,9 +53,12 @@ class NativeCpuBackend(Backend, PagedBackend):
     hlo_marker = "attn_native_cpu_forward"
     # Any page size and head dim, mixed prefill and decode rows; init_cache, write
     # and the canonical round trip are PagedBackend's canonical-layout defaults.
+    # Every quantized cache: decode tiles read its int8 or float8 values in place
+    # and widen them in registers, prefill tiles dequantize a block at a time.
     paged_capabilities = PagedCapabilities(platforms={"cpu"}, dtypes={"float32", "bfloat16"},
                                            gqa=True, softcap=True, window=True,
-                                           check_vma=True, jax_versions=">=0.10,<0.13")
+                                           check_vma=True, jax_versions=">=0.10,<0.13",
+                                           cache_dtypes=attn_backends.QUANTIZED_CACHE_DTYPES)
 
     def check(self, call: AttentionCall) -> list[str]:
         """The library's load failure, if any (it loads here, on the first call)."""

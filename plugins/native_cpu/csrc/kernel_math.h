@@ -453,21 +453,37 @@ inline void DotTile(int64_t j, int64_t dims, const float* a, const T* const* key
 // the passes before it: a decode step does a few products per key byte, too
 // few to hide the memory's latency, and the hardware's prefetchers stop at
 // every 4 KiB page. Issues, in order, the 64-byte lines of the rows given to
-// Add (each row's bytes rounded up to lines).
+// Add (the lines each row's bytes touch; a row that starts in or right after
+// the previous one's lines extends it: the runs of a page's keys, and their
+// scales, are one run each).
 // Into the outer caches (locality 1: prefetcht2), not L1: a block is larger
 // than L1 and its lines would only be evicted there before their turn
 // (measured against prefetcht0: plugin README).
 class Prefetcher {
  public:
+  // Room for `rows` rows from the start: growing it row by row allocated seven
+  // times per decode item (perf: 5% of an int8 decode step).
+  explicit Prefetcher(size_t rows) { rows_.reserve(rows); }
   void Clear() {
     rows_.clear();
     lines_ = 0;
     row_ = line_ = 0;
   }
   void Add(const void* row, int64_t bytes) {
-    const int64_t lines = (bytes + 63) / 64;
-    rows_.push_back({static_cast<const char*>(row), lines});
-    lines_ += lines;
+    const uintptr_t at = reinterpret_cast<uintptr_t>(row);
+    const int64_t first = static_cast<int64_t>(at / 64);
+    const int64_t end = static_cast<int64_t>((at + bytes + 63) / 64);  // past its last line
+    if (!rows_.empty()) {
+      Row& last = rows_.back();
+      if (first >= last.first && first <= last.first + last.lines) {
+        const int64_t grown = std::max<int64_t>(0, end - (last.first + last.lines));
+        last.lines += grown;
+        lines_ += grown;
+        return;
+      }
+    }
+    rows_.push_back({first, end - first});
+    lines_ += end - first;
   }
   int64_t Lines() const { return lines_; }
   // Issues the next `count` lines (none once all are issued).
@@ -480,7 +496,7 @@ class Prefetcher {
     int64_t line = line_;
     while (count > 0 && row < n) {
       const int64_t take = std::min(count, rows[row].lines - line);
-      const char* at = rows[row].start + 64 * line;
+      const char* at = reinterpret_cast<const char*>((rows[row].first + line) * 64);
       for (int64_t l = 0; l < take; ++l) __builtin_prefetch(at + 64 * l, 0, 1);
       count -= take;
       line += take;
@@ -495,8 +511,7 @@ class Prefetcher {
 
  private:
   struct Row {
-    const char* start;
-    int64_t lines;
+    int64_t first, lines;  // the first line's address / 64, and how many
   };
   std::vector<Row> rows_;
   int64_t lines_ = 0, line_ = 0;

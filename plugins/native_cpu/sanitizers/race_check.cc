@@ -104,8 +104,10 @@ Outputs Run(const Case& c, an::DType dtype, int threads) {
 // A ragged paged batch: a prefill chunk of 40 rows (tiles), decode steps of 1
 // and 2 rows (split items), keys over several splits through a shuffled page
 // table, a page index outside the pool; only out is filled.
+// The same batch over a quantized cache (cache: int8 or float8_e4m3fn bytes,
+// finite values; a float32 scale per position and kv head).
 template <class Kernels>
-Outputs RunPaged(an::DType dtype, int threads) {
+Outputs RunPaged(an::DType dtype, int threads, an::CacheType cache = an::CacheType::kSame) {
   const int64_t hq = 8, hkv = 2, d = 16, page_size = 16, width = 100, pages = 200;
   const std::vector<int32_t> cu_q_lens = {0, 40, 41, 43}, kv_lens = {1100, 600, 1500};
   std::vector<int32_t> table(3 * width);
@@ -115,11 +117,24 @@ Outputs RunPaged(an::DType dtype, int threads) {
   an::Params p;
   p.shape = {1, cu_q_lens.back(), 0, hq, hkv, d, d};
   p.scale = 0.25f;
-  const an::PagedArgs a{cu_q_lens.data(), kv_lens.data(), table.data(), 3, 3, width,
-                        page_size, pages, 700};
   auto q = Normal(cu_q_lens.back() * hq * d, &gen), k = Normal(pages * page_size * hkv * d, &gen),
        v = Normal(k.size(), &gen);
   void *qp = As(dtype, q), *kp = As(dtype, k), *vp = As(dtype, v);
+  // Quantized: bytes of finite values (float8_e4m3fn below 0x78 in magnitude).
+  std::vector<uint8_t> k8(k.size()), v8(k.size());
+  std::vector<float> k_scales(pages * page_size * hkv), v_scales(k_scales.size());
+  if (cache != an::CacheType::kSame) {
+    for (auto* bytes : {&k8, &v8}) {
+      for (auto& b : *bytes) b = static_cast<uint8_t>((gen() % 0x78) | (gen() % 2 ? 0x80 : 0));
+    }
+    for (auto* scales : {&k_scales, &v_scales}) {
+      for (auto& x : *scales) x = 0.01f + 0.01f * static_cast<float>(gen() % 100) / 100.0f;
+    }
+    kp = k8.data();
+    vp = v8.data();
+  }
+  const an::PagedArgs a{cu_q_lens.data(), kv_lens.data(), table.data(), 3, 3, width,
+                        page_size, pages, 700, cache, k_scales.data(), v_scales.data()};
   std::vector<float> out(q.size(), 0.0f);
   Kernels::PagedForward(p, a, dtype, qp, kp, vp, out.data(), Threads(threads));
   return {Bits(out), {}, {}, {}, {}};
@@ -208,6 +223,12 @@ int main() {
           return RunPaged<decltype(kernels)>(t, n);
         },
         "paged", &failures);
+  for (an::CacheType cache : {an::CacheType::kInt8, an::CacheType::kE4M3}) {
+    Check([&](auto kernels, an::DType t, int n) {
+            return RunPaged<decltype(kernels)>(t, n, cache);
+          },
+          cache == an::CacheType::kInt8 ? "paged int8" : "paged float8_e4m3fn", &failures);
+  }
   std::printf("race_check (%s kernels): %s\n", an::KernelIsa(), failures ? "FAILED" : "ok");
   return failures ? 1 : 0;
 }

@@ -111,3 +111,23 @@ def test_engine_decodes_what_each_request_decodes_alone(backend, model, requests
     assert 0 < summary.step_seconds < max(r.seconds for r in engine.records)
     line = summary.line()
     assert line.startswith("summary: 40 tokens served") and f"backend {backend} (" in line
+
+
+def test_an_int8_cache_serves_each_request_as_alone_and_says_its_bytes(model, requests) -> None:
+    """Over an int8 cache (values and a scale per position and head), a request
+    served beside others gets the tokens it gets alone; the summary counts the
+    cache's bytes: a quarter of float32's values plus 4 bytes of scale."""
+    params, vocab = model
+    options = dict(page_size=PAGE_SIZE, num_pages=NUM_PAGES, chunk_budget=CHUNK, device="cpu",
+                   backend="xla_native", registry=REGISTRY, cache_dtype="int8")
+    engine = serve.Engine(params, vocab, max_seqs=MAX_SEQS, **options)
+    outputs = engine.run(requests)
+    for r in requests[:2]:
+        alone = serve.Engine(params, vocab, max_seqs=1, **options).run(
+            [serve.Request(r.id, r.prompt, r.max_new)])
+        assert alone[r.id] == outputs[r.id]
+    summary = serve.summarize(engine, requests, outputs)
+    dim = CFG.d_model // CFG.heads
+    assert summary.cache_dtype == "int8"
+    assert summary.bytes_per_token == CFG.layers * 2 * CFG.kv_heads * (dim + 4)
+    assert "cache int8" in summary.line()

@@ -62,7 +62,10 @@ def test_quantized_cases_follow_the_claimed_cache_dtypes() -> None:
         ("float8_e5m2", "bfloat16")}
     names = {c.name for c in cases if c.cache_dtype == "int8" and c.dtype == "float32"}
     assert names == set(paged_cases.QUANTIZED_SWEEP)
-    assert cases[0].id == "quantized-mixed-float32-float8_e5m2"
+    # Another cache dtype takes the same path with another element type: two cases.
+    assert {c.name for c in cases if c.cache_dtype == "float8_e5m2" and c.dtype == "float32"} \
+        == {"mixed", "decode-max-q-len-1"}
+    assert cases[0].id == "quantized-mixed-float32-int8"
     quick = [c for c in paged_cases.paged_cases_for(backend, quick=True) if c.cache_dtype]
     assert {c.name for c in quick} == {"mixed", "decode-max-q-len-1"}
     stores = [c for c in paged_cases.paged_dtypes(backend) if c.cache_dtype]

@@ -45,8 +45,10 @@ DEFAULT_PAGE_SIZE = 4
 DTYPE_SWEEP = ("mixed", "gqa-h8kv2", "window-p")
 #: Cases run at the manifest's other page sizes and head dims (by name).
 SHAPE_SWEEP = ("mixed",)
-#: Cases the ``quantized`` family runs per claimed cache dtype, in the primary
-#: dtype (by name; quick: the first two), and in bfloat16 when claimed (the first).
+#: Cases the ``quantized`` family runs, in the primary dtype (by name): all of
+#: them for the first claimed cache dtype (int8 when claimed), the first two for
+#: each other one (the same path, another element type) and in quick runs; and
+#: the first in bfloat16 when claimed.
 QUANTIZED_SWEEP = ("mixed", "decode-max-q-len-1", "gqa-h8kv2", "window-p", "softcap-scale",
                    "same-seq-twice")
 #: Kinds of case :func:`as_served` may run as a decode step (a ``same_seq``
@@ -154,7 +156,7 @@ def paged_cases_for(backend: Any, *, quick: bool = False) -> list[PagedSuiteCase
     sequence gets every case cut to that. ``quick`` (``--attn-quick``, and every
     run of an :func:`emulated` backend, whose kernels run interpreted, slowly):
     the cases marked so, one per other dtype, one other page size and head dim.
-    Each claimed quantized cache dtype runs :data:`QUANTIZED_SWEEP` (the
+    The claimed quantized cache dtypes run :data:`QUANTIZED_SWEEP` (the
     ``quantized`` family), garbage in its unused values and scale slots too.
     """
     pcaps = backend.paged_capabilities
@@ -185,9 +187,10 @@ def paged_cases_for(backend: Any, *, quick: bool = False) -> list[PagedSuiteCase
     full = {c.name: _within(c, pcaps) for c in
             (replace(c, page_size=p, head_dim=d, dtype=primary) for c in _table(p))
             if _claimed(c, pcaps)}
-    sweep = [full[n] for n in QUANTIZED_SWEEP if n in full][: 2 if quick else None]
-    for cache_dtype in sorted(pcaps.cache_dtypes):
-        out += [replace(c, cache_dtype=cache_dtype) for c in sweep]
+    sweep = [full[n] for n in QUANTIZED_SWEEP if n in full]
+    ordered = sorted(pcaps.cache_dtypes, key=lambda dt: (dt != "int8", dt))
+    for i, cache_dtype in enumerate(ordered):
+        out += [replace(c, cache_dtype=cache_dtype) for c in sweep[: 2 if quick or i else None]]
         if "bfloat16" in pcaps.dtypes - {primary} and sweep:
             out.append(replace(sweep[0], cache_dtype=cache_dtype, dtype="bfloat16"))
     return out

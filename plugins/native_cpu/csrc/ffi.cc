@@ -224,39 +224,34 @@ ffi::Error PagedQuantizedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
 
 }  // namespace
 
+// The paged handlers' arguments after the cache's (the batch), result and attributes.
+#define ATTN_NATIVE_CPU_PAGED_TAIL(binding)                                         \
+  binding.Arg<ffi::Buffer<ffi::S32>>() /* cu_q_lens */                              \
+      .Arg<ffi::Buffer<ffi::S32>>()    /* kv_lens */                                \
+      .Arg<ffi::Buffer<ffi::S32>>()    /* page_table */                             \
+      .Arg<ffi::Buffer<ffi::S32>>()    /* num_seqs */                               \
+      .Ret<ffi::AnyBuffer>()           /* out */                                    \
+      .Attr<float>("scale")                                                         \
+      .Attr<float>("softcap")                                                       \
+      .Attr<int64_t>("window_left")                                                 \
+      .Attr<int64_t>("threads")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnNativeCpuPagedQuantized, PagedQuantizedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // q
-                                  .Arg<ffi::AnyBuffer>()         // k_pages
-                                  .Arg<ffi::AnyBuffer>()         // v_pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
-                                  .Ret<ffi::AnyBuffer>()         // out
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("threads"));
+                              ATTN_NATIVE_CPU_PAGED_TAIL(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::ThreadPool>()
+                                      .Arg<ffi::AnyBuffer>()           // q
+                                      .Arg<ffi::AnyBuffer>()           // k_pages
+                                      .Arg<ffi::AnyBuffer>()           // v_pages
+                                      .Arg<ffi::Buffer<ffi::F32>>()    // k_scales
+                                      .Arg<ffi::Buffer<ffi::F32>>())); // v_scales
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnNativeCpuPaged, PagedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // q
-                                  .Arg<ffi::AnyBuffer>()         // k_pages
-                                  .Arg<ffi::AnyBuffer>()         // v_pages
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
-                                  .Ret<ffi::AnyBuffer>()         // out
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("threads"));
+                              ATTN_NATIVE_CPU_PAGED_TAIL(ffi::Ffi::Bind()
+                                                             .Ctx<ffi::ThreadPool>()
+                                                             .Arg<ffi::AnyBuffer>()    // q
+                                                             .Arg<ffi::AnyBuffer>()    // k_pages
+                                                             .Arg<ffi::AnyBuffer>())); // v_pages
 
 #define ATTN_NATIVE_CPU_ATTRS(binding)                                              \
   binding.Attr<float>("scale")                                                      \

@@ -185,36 +185,36 @@ inline float BitsToF32(uint32_t bits) {
 
 inline float ToF32(int8_t x) { return static_cast<float>(x); }
 
-// float8_e4m3fn: bias 7, 3 mantissa bits, no infinities, NaN at 0x7f/0xff.
-// Normal numbers move their fields into float32's (bias 127); subnormals are
-// mantissa * 2^-9, computed as such (no float32 subnormal, which a thread with
-// denormals flushed would read as 0).
-inline float ToF32(E4M3 x) {
-  const uint32_t mag = x.bits & 0x7fu, sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
-  if (mag == 0x7fu) return std::numeric_limits<float>::quiet_NaN();
-  const float f = (mag >> 3) == 0 ? static_cast<float>(mag) * 0x1p-9f
-                                  : BitsToF32((mag << 20) + ((127u - 7u) << 23));
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return BitsToF32(bits | sign);
-}
+// A float8 format's fields: kMant mantissa bits, exponent bias kBias; kIeee:
+// the top exponent holds infinity (mantissa 0) and NaN (float8_e5m2), else
+// only magnitude 0x7f is NaN and there is no infinity (float8_e4m3fn). Normal
+// numbers move their fields into float32's; subnormals are mantissa *
+// 2^(1 - kBias - kMant), computed as such (no float32 subnormal, which a
+// thread with denormals flushed would read as 0).
+template <int kMant, int kBias>
+constexpr float kFp8Subnormal = 1.0f / static_cast<float>(1u << (kBias + kMant - 1));
+template <int kMant>
+constexpr uint32_t kFp8Top = 0x7fu >> kMant << kMant;  // the top exponent's first magnitude
 
-// float8_e5m2: bias 15, 2 mantissa bits, infinity at exponent 31, mantissa 0.
-inline float ToF32(E5M2 x) {
-  const uint32_t mag = x.bits & 0x7fu, sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
+template <int kMant, int kBias, bool kIeee>
+inline float Fp8ToF32(uint8_t byte) {
+  const uint32_t mag = byte & 0x7fu, sign = static_cast<uint32_t>(byte & 0x80u) << 24;
   uint32_t bits;
-  if (mag > 0x7cu) {
+  if (kIeee ? mag > kFp8Top<kMant> : mag == 0x7fu) {
     bits = 0x7fc00000u;
-  } else if (mag == 0x7cu) {
+  } else if (kIeee && mag == kFp8Top<kMant>) {
     bits = 0x7f800000u;
-  } else if ((mag >> 2) == 0) {
-    const float f = static_cast<float>(mag) * 0x1p-16f;
+  } else if ((mag >> kMant) == 0) {
+    const float f = static_cast<float>(mag) * kFp8Subnormal<kMant, kBias>;
     std::memcpy(&bits, &f, sizeof bits);
   } else {
-    bits = (mag << 21) + ((127u - 15u) << 23);
+    bits = (mag << (23 - kMant)) + ((127u - kBias) << 23);
   }
   return BitsToF32(bits | sign);
 }
+
+inline float ToF32(E4M3 x) { return Fp8ToF32<3, 7, false>(x.bits); }
+inline float ToF32(E5M2 x) { return Fp8ToF32<2, 15, true>(x.bits); }
 
 inline void StoreVec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
@@ -249,27 +249,26 @@ inline VecU WidenBytes(const void* p) {
 
 inline VecU SplatU(uint32_t x) { return VecU{} + x; }
 
-// The float8 formats as ToF32 reads them, a vector at a time (no table, no
-// branch): the fields moved into float32's, subnormals by a product,
-// NaN and infinity blended in.
-inline Vec LoadVec(const E4M3* p) {
+// The float8 formats as Fp8ToF32 reads them, a vector at a time (no table, no
+// branch): the fields moved into float32's, subnormals by a product, NaN and
+// infinity blended in.
+template <int kMant, int kBias, bool kIeee>
+inline Vec LoadFp8(const void* p) {
   const VecU w = WidenBytes(p), mag = w & SplatU(0x7fu), sign = (w & SplatU(0x80u)) << 24;
-  const VecU normal = (mag << 20) + SplatU((127u - 7u) << 23);
-  const Vec sub = __builtin_convertvector(mag, Vec) * 0x1p-9f;
-  VecU bits = (mag >> 3) == SplatU(0) ? (VecU)sub : normal;
-  bits = mag == SplatU(0x7fu) ? SplatU(0x7fc00000u) : bits;
+  const VecU normal = (mag << (23 - kMant)) + SplatU((127u - kBias) << 23);
+  const Vec sub = __builtin_convertvector(mag, Vec) * kFp8Subnormal<kMant, kBias>;
+  VecU bits = (mag >> kMant) == SplatU(0) ? (VecU)sub : normal;
+  if (kIeee) {
+    bits = mag == SplatU(kFp8Top<kMant>) ? SplatU(0x7f800000u) : bits;
+    bits = mag > SplatU(kFp8Top<kMant>) ? SplatU(0x7fc00000u) : bits;
+  } else {
+    bits = mag == SplatU(0x7fu) ? SplatU(0x7fc00000u) : bits;
+  }
   return (Vec)(bits | sign);
 }
 
-inline Vec LoadVec(const E5M2* p) {
-  const VecU w = WidenBytes(p), mag = w & SplatU(0x7fu), sign = (w & SplatU(0x80u)) << 24;
-  const VecU normal = (mag << 21) + SplatU((127u - 15u) << 23);
-  const Vec sub = __builtin_convertvector(mag, Vec) * 0x1p-16f;
-  VecU bits = (mag >> 2) == SplatU(0) ? (VecU)sub : normal;
-  bits = mag == SplatU(0x7cu) ? SplatU(0x7f800000u) : bits;
-  bits = mag > SplatU(0x7cu) ? SplatU(0x7fc00000u) : bits;
-  return (Vec)(bits | sign);
-}
+inline Vec LoadVec(const E4M3* p) { return LoadFp8<3, 7, false>(p); }
+inline Vec LoadVec(const E5M2* p) { return LoadFp8<2, 15, true>(p); }
 
 // n values of a quantized cache (cache, element type by CacheType) at src +
 // offset, times scale, into float32 dst.

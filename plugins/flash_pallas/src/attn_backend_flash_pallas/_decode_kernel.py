@@ -106,27 +106,43 @@ def _kernel(plan: DecodeKernelPlan, lengths_ref, limit_ref, q_ref, k_ref, v_ref,
             if plan.softcap is not None:
                 s = plan.softcap * jnp.tanh(s / plan.softcap)
             s = jnp.where(seen, s, -jnp.inf)
-            m_prev = m_ref[h][:, :1]
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            # A row that has seen nothing yet keeps max -inf; 0 in its place
-            # keeps exp() at exp(-inf) = 0 instead of exp(nan).
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            alpha = jnp.exp(m_prev - m_safe)
-            p = jnp.exp(s - m_safe)
             v = jnp.where(key_used, v_ref[0, :, h * d:(h + 1) * d].astype(jnp.float32), 0.0)
-            pv = jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=_HIGHEST,
-                                     preferred_element_type=jnp.float32)  # [R, D]
-            l_next = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-            acc_ref[h] = alpha * acc_ref[h] + pv
-            m_ref[h] = jnp.broadcast_to(m_next, (rows, _STAT_LANES))
-            l_ref[h] = jnp.broadcast_to(l_next, (rows, _STAT_LANES))
+            online_step(h, s, v, lambda p: p, m_ref, l_ref, acc_ref)
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _finish():  # type: ignore[no-untyped-def]
-        for h in range(plan.kv_heads):
-            total = l_ref[h][:, :1]
-            o_ref[0, h] = jnp.where(total > 0, acc_ref[h] / jnp.where(total > 0, total, 1.0),
-                                    0.0)
+        finish(plan.kv_heads, l_ref, acc_ref, o_ref)
+
+
+def online_step(h: int, s: Any, v: Any, weigh: Callable[[Any], Any], m_ref: Any, l_ref: Any,
+                acc_ref: Any) -> None:
+    """One block of kv head h's online softmax (also the quantized paged kernel's):
+    scores ``s [R, bk]`` (-inf where unseen), values ``v [bk, D]`` float32 (zeroed
+    where unused), ``weigh(p)`` the weights V is summed with (``p``, or ``p``
+    times V's scales); the running max, sum and output in ``m_ref``, ``l_ref``,
+    ``acc_ref`` (``[Hkv, R, lanes]``, ``[Hkv, R, lanes]``, ``[Hkv, R, D]``)."""
+    rows = s.shape[0]
+    m_prev = m_ref[h][:, :1]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    # A row that has seen nothing yet keeps max -inf; 0 in its place
+    # keeps exp() at exp(-inf) = 0 instead of exp(nan).
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe)
+    pv = jax.lax.dot_general(weigh(p), v, (((1,), (0,)), ((), ())), precision=_HIGHEST,
+                             preferred_element_type=jnp.float32)  # [R, D]
+    l_next = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
+    acc_ref[h] = alpha * acc_ref[h] + pv
+    m_ref[h] = jnp.broadcast_to(m_next, (rows, _STAT_LANES))
+    l_ref[h] = jnp.broadcast_to(l_next, (rows, _STAT_LANES))
+
+
+def finish(kv_heads: int, l_ref: Any, acc_ref: Any, o_ref: Any) -> None:
+    """``o_ref[0, h]`` = the running output over the running sum (0 where a row
+    saw no key), for every kv head."""
+    for h in range(kv_heads):
+        total = l_ref[h][:, :1]
+        o_ref[0, h] = jnp.where(total > 0, acc_ref[h] / jnp.where(total > 0, total, 1.0), 0.0)
 
 
 @functools.lru_cache(maxsize=64)

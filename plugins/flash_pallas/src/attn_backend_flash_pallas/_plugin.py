@@ -10,6 +10,7 @@ from typing import Any
 
 import attn_backends
 from attn_backends import (
+    QUANTIZED_CACHE_DTYPES,
     AttentionCall,
     Backend,
     HeadDims,
@@ -28,7 +29,7 @@ from attn_backends.authoring import (
     resolve_options,
 )
 
-from . import _paged, _paged_decode
+from . import _paged, _paged_decode, _paged_quantized
 from ._interpret import SWITCH
 
 #: The manifest without the cpu that interpret mode adds. Exactly what
@@ -48,13 +49,16 @@ MANIFEST = manifest(
 
 #: The paged manifest on a TPU: what JAX's ragged paged attention kernel serves
 #: (``_paged.py`` says why each bound); decode-only bfloat16 calls go to its
-#: paged_attention kernel instead (``_paged_decode.py``), within the same bounds.
+#: paged_attention kernel instead (``_paged_decode.py``), within the same bounds;
+#: decode steps over a quantized cache to this plugin's own kernel
+#: (``_paged_quantized.py``), the other quantized calls declined by check_paged.
 PAGED_MANIFEST = PagedCapabilities(
     platforms={"tpu"},
     dtypes=frozenset({"float32", "bfloat16"}),
     head_dims=HeadDims(allowed=frozenset({128})),
     page_sizes=frozenset({16, 32, 64, 128, 256}),
     gqa=True, softcap=True, window=True,
+    cache_dtypes=frozenset(QUANTIZED_CACHE_DTYPES),
     jax_versions=">=0.10,<0.13",
 )
 
@@ -75,8 +79,11 @@ class _InterpretedPagedCapabilities(PagedCapabilities):
         reasons = super().unmet(call, platform)
         if platform != "cpu":
             return reasons
-        declined = _paged_decode.declines(call)
-        if declined:
+        if call.quantized:
+            declined = _paged_quantized.declines(call)
+            if declined:
+                return reasons + declined
+        elif declined := _paged_decode.declines(call):
             return reasons + [RAGGED_NOT_INTERPRETED, *declined]
         if "cpu" not in self.platforms:
             return [f"{r} ({SWITCH.off_note})" if r.startswith("platform ") else r
@@ -102,7 +109,8 @@ class FlashPallasBackend(Backend, PagedBackend):
     ``"heads_first"`` layout (also on cpu in interpret mode), every other one
     through JAX's ragged paged attention kernel on ``"kv_combined"`` (tpu only);
     their ``options``: a :class:`RaggedBlockSizes`, or None for the kernels'
-    defaults.
+    defaults. Decode steps over a quantized cache (int8, float8) through this
+    plugin's own kernel on ``"heads_first"`` (also on cpu in interpret mode).
     """
 
     name = "flash_pallas"
@@ -139,24 +147,28 @@ class FlashPallasBackend(Backend, PagedBackend):
 
     def check_paged(self, call: PagedCall) -> list[str]:
         """The ragged kernel's own rule for how many kv heads it can tile per
-        dtype (the decode kernel takes any group)."""
+        dtype (the decode kernel takes any group); a quantized cache is read by
+        decode steps only."""
+        if call.quantized:
+            return _paged_quantized.declines(call)
         return [] if self._decodes(call) else _paged.heads_reasons(call)
 
     @staticmethod
     def _decodes(call: PagedCall) -> bool:
-        return not _paged_decode.declines(call)
+        return call.quantized or not _paged_decode.declines(call)
 
     def _layout(self, call: PagedCall) -> Any:
         return heads_first if self._decodes(call) else _paged
 
     def cache_layout(self, call: PagedCall) -> str:
-        """``"heads_first"`` for calls the decode kernel serves, else ``"kv_combined"``."""
+        """``"heads_first"`` for calls the decode kernels serve, else ``"kv_combined"``."""
         return str(self._layout(call).LAYOUT)
 
-    def from_canonical(self, call: PagedCall, k_pages: Any, v_pages: Any) -> KVCache:
-        return self._layout(call).from_canonical(call, k_pages, v_pages)
+    def from_canonical(self, call: PagedCall, k_pages: Any, v_pages: Any,
+                       *scales: Any) -> KVCache:
+        return self._layout(call).from_canonical(call, k_pages, v_pages, *scales)
 
-    def to_canonical(self, call: PagedCall, cache: KVCache) -> tuple[Any, Any]:
+    def to_canonical(self, call: PagedCall, cache: KVCache) -> tuple[Any, ...]:
         return self._layout(call).to_canonical(call, cache)
 
     def init_cache(self, call: PagedCall, num_pages: int) -> KVCache:
@@ -167,11 +179,14 @@ class FlashPallasBackend(Backend, PagedBackend):
 
     def attend_paged(self, call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
                      options: Any = None) -> Any:
-        """q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` through ``paged_attention`` (decode
-        calls) or ``ragged_paged_attention``."""
+        """q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` through the quantized decode kernel,
+        ``paged_attention`` (decode calls) or ``ragged_paged_attention``."""
         # None stays None: the ragged kernel's tuned table on a TPU host, else its defaults.
         blocks = None if options is None else resolve_options(
             options, _paged.RaggedBlockSizes, _paged.RaggedBlockSizes)
+        if call.quantized:
+            emulated = call.platform == "cpu" and SWITCH.enabled()
+            return _paged_quantized.paged_attention(call, q, cache, batch, emulated)
         if self._decodes(call):
             pages = (blocks or _paged.RaggedBlockSizes()).kv_pages_per_block
             return _paged_decode.paged_attention(call, q, cache, batch, pages)

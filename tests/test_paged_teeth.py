@@ -103,6 +103,22 @@ MUTANTS = {
           "dequantize(lax.bitcast_convert_type(x, jnp.uint8), s[:, pages]")],
         "test_paged_matches_oracle and quantized-mixed-float32-int8", "quantized-mixed-",
         "probe: out "),
+    "quantized_write_drops_tokens": (
+        # The pool already holding the suite's copy of a token must not hide it.
+        [("attn_backends.contract.heads_first", "write",
+          "(k, k_scale), (v, v_scale) = (quantize(x, call.cache_dtype) for x in (k, v))",
+          "(k, k_scale), (v, v_scale) = (quantize(x, call.cache_dtype) for x in (k, v))\n"
+          "        where = jnp.where(jnp.arange(where.shape[0]) < 4, where, flat)")],
+        "test_paged_write and quantized-store-float32-int8", "quantized-store-float32-int8",
+        "probe: write quantized K wrong"),
+    "quantizer_scale_without_largest": (
+        # Every element stays within its (coarser) half step: only the scale's rule
+        # tells this quantizer from the contract's.
+        [("attn_backends.contract.paged_quantize", "quantize",
+          "scale = jnp.where(finite, peak / largest, jnp.nan)",
+          "scale = jnp.where(finite, peak, jnp.nan)")],
+        "test_paged_write and quantized-store-float32-int8", "quantized-store-float32-int8",
+        "probe: write quantized K wrong: scales"),
     "quantizer_rounds_down": (
         [("attn_backends.contract.paged_quantize", "quantize", "ratio = jnp.round(ratio)",
           "ratio = jnp.floor(ratio)")],
@@ -111,6 +127,7 @@ MUTANTS = {
 }
 #: The mutants of the quantized path, probed on an int8 cache.
 _QUANTIZED = ("value_scale_forgotten", "neighbours_scale", "values_read_unsigned",
+              "quantized_write_drops_tokens", "quantizer_scale_without_largest",
               "quantizer_rounds_down")
 _EVERY_SELECTION = " or ".join(f"({m[1]})" for m in MUTANTS.values())
 

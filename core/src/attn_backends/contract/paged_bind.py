@@ -139,6 +139,9 @@ def _quantization_mismatch(call: PagedCall, got: list[tuple[tuple[int, ...], str
         return (f"expected a {call.cache_dtype} cache of values and scales (4 arrays: "
                 f"{', '.join(CANONICAL_ARRAYS)}), got {len(got)} arrays ({dtypes}): a cache "
                 "in the call's dtype")
+    if len(got) != 4:
+        return (f"expected 2 arrays (k_pages, v_pages in {call.dtype}), got {len(got)} "
+                f"({dtypes or 'none'})")
     return (f"got a quantized cache ({len(got)} arrays: {dtypes}), but this paged attention "
             f"was got for a {call.dtype} cache; get it with registry.get_paged(..., "
             f"cache_dtype={got[0][1]!r})")

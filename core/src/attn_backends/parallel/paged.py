@@ -57,9 +57,12 @@ def _check_blocks(paged: PagedAttention, local: PagedCall, axes: tuple[int, ...]
     backend = paged._paged
     call = paged.call
     shape = (1, call.page_size, call.kv_heads, call.head_dim)
-    # Values in the cache's dtype (int8 wraps past 127: each position's values
-    # still differ from its neighbours'), and a quantized cache's scales.
-    k = np.arange(np.prod(shape)).reshape(shape).astype(call.cache_dtype or call.dtype)
+    # Distinct values in the cache's dtype; a quantized cache's as byte patterns
+    # (a cast of a count would collapse or overflow in float8), and its scales.
+    k = np.arange(np.prod(shape)).reshape(shape).astype(call.dtype)
+    if call.quantized:
+        stored = jax.numpy.dtype(call.cache_dtype)
+        k = (k.astype(np.int64) % 256).astype(np.uint8).view(stored)
     wants = [k, np.flip(k, 1)]
     if call.quantized:
         scales = np.arange(np.prod(shape[:3]), dtype=np.float32).reshape(shape[:3])
@@ -71,7 +74,8 @@ def _check_blocks(paged: PagedAttention, local: PagedCall, axes: tuple[int, ...]
                        for a, ax in zip(full.arrays, axes, strict=True))
         got = backend.to_canonical(local, KVCache(arrays, full.layout, full.page_size, 1))
         heads = slice(i * per, (i + 1) * per)
-        if not all(np.array_equal(np.asarray(g), w[:, :, heads])
+        # Bytes, not values: a float8 pattern may be NaN.
+        if not all(np.asarray(g).tobytes() == np.ascontiguousarray(w[:, :, heads]).tobytes()
                    for g, w in zip(got, wants, strict=True)):
             raise ValueError(
                 f"shard_paged_heads: layout {paged.layout!r} of {paged.backend.name!r} does "

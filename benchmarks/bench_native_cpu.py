@@ -6,7 +6,7 @@ the PyTorch CPU wheels need Python 3.11 here, so .venv-jax-0.10):
     .venv-jax-0.10/bin/python benchmarks/bench_native_cpu.py
     .venv-jax-0.10/bin/python benchmarks/bench_native_cpu.py --sizes 1024,4096 --no-decode
 
-Dense: B=1, H=8, D=64, causal, float32; forward and forward+backward of
+Dense: B=1, H=8, D=64, causal, float32 (--dtype bfloat16 too); forward and forward+backward of
 native_cpu, xla_native and PyTorch's scaled_dot_product_attention, timed in
 the same process in alternating blocks (bench_xla_native.in_rounds), best
 times. Decode: bench_decode.py's case (B=8, Hq=32, Hkv=8, D=128, Tq=1,
@@ -52,7 +52,7 @@ def native(q: Any, k: Any, v: Any, causal: bool, blocks: Any) -> Any:
 
 
 def dense_table(args: argparse.Namespace) -> None:
-    print("\nB=1, H=8, D=64, causal, float32; ms: best (median) of rounds x reps")
+    print(f"\nB=1, H=8, D=64, causal, {args.dtype}; ms: best (median) of rounds x reps")
     print("\n| S | pass | timed runs | native_cpu ms | xla_native ms | torch sdpa ms "
           "| native / torch | native / xla_native |")
     print("|---|---|---|---|---|---|---|---|")
@@ -61,9 +61,9 @@ def dense_table(args: argparse.Namespace) -> None:
             if backward and s > args.bwd_max:
                 continue
             reps, rounds = (args.reps, args.rounds) if s <= args.long_from else (1, 1)
-            runs = {"native": jax_runner(native, s, True, backward),
-                    "xla": jax_runner(xla_native, s, True, backward)}
-            torch_run_ = torch_runner(s, True, backward)
+            runs = {"native": jax_runner(native, s, True, backward, dtype=args.dtype),
+                    "xla": jax_runner(xla_native, s, True, backward, dtype=args.dtype)}
+            torch_run_ = torch_runner(s, True, backward, args.dtype)
             if torch_run_ is not None:
                 runs["torch"] = torch_run_
             times = in_rounds(runs, reps, rounds)
@@ -168,6 +168,8 @@ def main() -> None:
                         help="sizes above this run one round of one timed run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the dense table's dtype")
     parser.add_argument("--tk", type=int, default=4096)
     parser.add_argument("--decode-dtypes", type=lambda s: s.split(","),
                         default=["float32", "bfloat16"])

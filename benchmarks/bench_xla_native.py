@@ -84,27 +84,30 @@ def in_rounds(runs: dict[str, Callable[[], Any]], reps: int, rounds: int) -> dic
     return times
 
 
-def _inputs(s: int) -> tuple[Any, ...]:
+def _inputs(s: int, dtype: str = "float32") -> tuple[Any, ...]:
     keys = jax.random.split(jax.random.key(0), 4)
-    return tuple(jax.random.normal(key, (B, s, H, D), jnp.float32) for key in keys)
+    return tuple(jax.random.normal(key, (B, s, H, D), dtype) for key in keys)
 
 
 def jax_runner(
-    attn: Callable, s: int, causal: bool, backward: bool, blocks: BlockConfig | None = None
+    attn: Callable, s: int, causal: bool, backward: bool, blocks: BlockConfig | None = None,
+    dtype: str = "float32",
 ) -> Callable[[], Any]:
     make = _fwd_bwd if backward else _fwd
     f = jax.jit(make(attn, causal, blocks))
-    args = _inputs(s)
+    args = _inputs(s, dtype)
     return lambda: jax.block_until_ready(f(*args))
 
 
-def torch_runner(s: int, causal: bool, backward: bool) -> Callable[[], Any] | None:
+def torch_runner(
+    s: int, causal: bool, backward: bool, dtype: str = "float32"
+) -> Callable[[], Any] | None:
     try:
         import torch
     except ImportError:
         return None
     torch.manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, s, D) for _ in range(4))
+    q, k, v, do = (torch.randn(B, H, s, D, dtype=getattr(torch, dtype)) for _ in range(4))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if not backward:
 

@@ -84,9 +84,16 @@ ATTN_NATIVE_CPU_KERNELS
 namespace isa_v3 {
 ATTN_NATIVE_CPU_KERNELS
 }  // namespace isa_v3
+// x86-64-v4 with AVX512_BF16 (bf16_forward.cc): the dense bfloat16 forward by
+// bfloat16 products; every other call goes to isa_v3's.
+namespace isa_avx512_bf16 {
+void Forward(const Params& p, DType dtype, const void* q, const void* k, const void* v,
+             void* out, float* lse, const ParallelFor& parallel_for);
+}  // namespace isa_avx512_bf16
 ATTN_NATIVE_CPU_KERNELS
 
-// "x86-64-v3" or "baseline": the kernels Forward and Backward run on this CPU.
+// The kernels Forward and Backward run in this process: "avx512-bf16",
+// "x86-64-v3" or "baseline" (dispatch.cc).
 const char* KernelIsa();
 
 }  // namespace attn_native_cpu

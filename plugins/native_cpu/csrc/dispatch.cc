@@ -1,21 +1,50 @@
-// Picks the kernels for this CPU once: x86-64-v3 (AVX2 + FMA) where the
-// library was built with them (ATTN_NATIVE_CPU_HAVE_V3) and the CPU has them,
-// else the baseline build. Both compute the same contract; their roundings
-// differ (FMA), so one process always uses one of them.
+// Picks the kernels for this CPU once: the dense bfloat16 forward by
+// bfloat16 products where the library has them (ATTN_NATIVE_CPU_HAVE_AVX512_BF16)
+// and the CPU has AVX512_BF16; x86-64-v3 (AVX2 + FMA) where built
+// (ATTN_NATIVE_CPU_HAVE_V3) and the CPU has them; else the baseline build. All
+// compute the same contract; their roundings differ (FMA; bfloat16 weights),
+// so one process always uses one of them. ATTN_NATIVE_CPU_ISA caps the choice
+// (its values are checked where the library loads, _library.py).
 #include <cblas.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "attention.h"
 
 namespace attn_native_cpu {
 namespace {
 
-bool UseV3() {
+enum class Isa { kBaseline, kV3, kAvx512Bf16 };
+constexpr const char* kIsaNames[] = {"baseline", "x86-64-v3", "avx512-bf16"};
+
+Isa Best() {
+  Isa best = Isa::kBaseline;
 #if defined(ATTN_NATIVE_CPU_HAVE_V3)
-  static const bool use = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return use;
-#else
-  return false;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kV3;
 #endif
+#if defined(ATTN_NATIVE_CPU_HAVE_AVX512_BF16)
+  if (best == Isa::kV3 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16")) {
+    best = Isa::kAvx512Bf16;
+  }
+#endif
+  return best;
+}
+
+Isa Chosen() {
+  static const Isa isa = [] {
+    Isa isa = Best();
+    if (const char* cap = std::getenv("ATTN_NATIVE_CPU_ISA")) {
+      for (int i = 0; i < 3; ++i) {
+        if (std::strcmp(cap, kIsaNames[i]) == 0) isa = std::min(isa, static_cast<Isa>(i));
+      }
+    }
+    return isa;
+  }();
+  return isa;
 }
 
 // OpenBLAS runs each block's GEMM on the thread that calls it: the work items
@@ -31,13 +60,18 @@ void OneBlasThread() {
 
 }  // namespace
 
-const char* KernelIsa() { return UseV3() ? "x86-64-v3" : "baseline"; }
+const char* KernelIsa() { return kIsaNames[static_cast<int>(Chosen())]; }
 
 void Forward(const Params& p, DType dtype, const void* q, const void* k, const void* v,
              void* out, float* lse, const ParallelFor& parallel_for) {
   OneBlasThread();
+#if defined(ATTN_NATIVE_CPU_HAVE_AVX512_BF16)
+  if (Chosen() == Isa::kAvx512Bf16) {
+    return isa_avx512_bf16::Forward(p, dtype, q, k, v, out, lse, parallel_for);
+  }
+#endif
 #if defined(ATTN_NATIVE_CPU_HAVE_V3)
-  if (UseV3()) return isa_v3::Forward(p, dtype, q, k, v, out, lse, parallel_for);
+  if (Chosen() >= Isa::kV3) return isa_v3::Forward(p, dtype, q, k, v, out, lse, parallel_for);
 #endif
   isa_baseline::Forward(p, dtype, q, k, v, out, lse, parallel_for);
 }
@@ -47,7 +81,7 @@ void Backward(const Params& p, DType dtype, const void* q, const void* k, const 
               void* dq, void* dk, void* dv, const ParallelFor& parallel_for) {
   OneBlasThread();
 #if defined(ATTN_NATIVE_CPU_HAVE_V3)
-  if (UseV3()) {
+  if (Chosen() >= Isa::kV3) {
     return isa_v3::Backward(p, dtype, q, k, v, out, lse, dout, dlse, dq, dk, dv, parallel_for);
   }
 #endif
@@ -58,7 +92,7 @@ void PagedForward(const Params& p, const PagedArgs& a, DType dtype, const void* 
                   const void* k, const void* v, void* out, const ParallelFor& parallel_for) {
   OneBlasThread();
 #if defined(ATTN_NATIVE_CPU_HAVE_V3)
-  if (UseV3()) return isa_v3::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
+  if (Chosen() >= Isa::kV3) return isa_v3::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
 #endif
   isa_baseline::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
 }

@@ -108,6 +108,29 @@ inline void BlockSpan(const Range& range, int64_t j0, int64_t nk, int64_t* a, in
   *e = std::min<int64_t>(range.hi - j0, nk);
 }
 
+// One row's online softmax step over the scores sr [nk] of keys [j0, j0 + nk):
+// sr becomes the weights exp(s - new max) over the row's visible keys and 0
+// elsewhere; the running max and sum are updated and the unnormalised output
+// acc [vdims] rescaled to the new max.
+inline void SoftmaxStep(const Params& p, const Range& range, int64_t j0, int64_t nk, float* sr,
+                        float* row_max, float* row_sum, float* acc, int64_t vdims) {
+  int64_t a, e;
+  BlockSpan(range, j0, nk, &a, &e);
+  if (a >= e) {  // this row sees none of the block: it adds nothing
+    for (int64_t jj = 0; jj < nk; ++jj) sr[jj] = 0.0f;
+    return;
+  }
+  if (p.softcap > 0.0f) Softcap(p, a, e, sr, nullptr);
+  const float new_max = std::max(*row_max, MaxRange(sr, a, e));
+  const float alpha = std::exp(*row_max - new_max);  // 0 on the row's first block
+  ExpShifted(sr, a, e, new_max);
+  const float sum = SumRange(sr, a, e);
+  ZeroOutside(sr, a, e, nk);
+  *row_sum = *row_sum * alpha + sum;
+  *row_max = new_max;
+  for (int64_t d = 0; d < vdims; ++d) acc[d] *= alpha;
+}
+
 // The rows of an item: query head (g * group + hh) at position i0 + ii.
 struct Rows {
   int64_t b, g, i0, positions, group;
@@ -243,23 +266,8 @@ struct TileState {
       }
     }
     for (int64_t r = 0; r < m; ++r) {
-      int64_t a, e;
-      BlockSpan(range[r], j0, nk, &a, &e);
-      float* sr = sc.data() + r * kBlockKeys;
-      if (a >= e) {  // this row sees none of the block: it adds nothing
-        for (int64_t jj = 0; jj < nk; ++jj) sr[jj] = 0.0f;
-        continue;
-      }
-      if (p.softcap > 0.0f) Softcap(p, a, e, sr, nullptr);
-      const float new_max = std::max(row_max[r], MaxRange(sr, a, e));
-      const float alpha = std::exp(row_max[r] - new_max);  // 0 on the row's first block
-      ExpShifted(sr, a, e, new_max);
-      const float sum = SumRange(sr, a, e);
-      ZeroOutside(sr, a, e, nk);
-      row_sum[r] = row_sum[r] * alpha + sum;
-      row_max[r] = new_max;
-      float* o = acc.data() + r * vdims;
-      for (int64_t d = 0; d < vdims; ++d) o[d] *= alpha;
+      SoftmaxStep(p, range[r], j0, nk, sc.data() + r * kBlockKeys, &row_max[r], &row_sum[r],
+                  acc.data() + r * vdims, vdims);
     }
     if (dot) {
       // The weights of a quantized cache's keys times V's scales: acc gets

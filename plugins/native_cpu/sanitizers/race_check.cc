@@ -4,9 +4,9 @@
 // then merge) and a ragged paged batch (prefill tiles beside decode splits)
 // on 2 std::threads claiming items from one counter, as ffi.cc's pool does;
 // then the same at 1 thread, bit for bit.
-// Both builds of the kernels run (the baseline one, which the suite never
-// reaches on an AVX2 machine, and x86-64-v3 where the CPU has it), and must
-// agree with each other to float32 rounding.
+// Every build of the kernels the CPU runs (the baseline one, which the suite
+// never reaches on an AVX2 machine; x86-64-v3; the bfloat16 products of
+// avx512-bf16), each against the baseline to float32 (bfloat16) rounding.
 // Built and run by sanitizers/run.sh thread (CMake target
 // attn_native_cpu_race_check). Python under TSan is not an option: TSan must
 // own the process's memory map from its first instruction, which an
@@ -152,6 +152,13 @@ struct V3 {
   static constexpr auto PagedForward = an::isa_v3::PagedForward;
   static constexpr const char* name = "x86-64-v3";
 };
+// The dense bfloat16 forward by bfloat16 products; x86-64-v3's everything else.
+struct Avx512Bf16 {
+  static constexpr auto Forward = an::isa_avx512_bf16::Forward;
+  static constexpr auto Backward = an::isa_v3::Backward;
+  static constexpr auto PagedForward = an::isa_v3::PagedForward;
+  static constexpr const char* name = "avx512-bf16";
+};
 
 const char* kNames[] = {"out", "lse", "dq", "dk", "dv"};
 
@@ -179,34 +186,43 @@ Outputs SameAtOneAndTwo(const Runner& run, const char* what, an::DType dtype, in
   return two;
 }
 
-// Every case at 1 and 2 threads with both builds of the kernels, and the
-// builds against each other.
+// The outputs of two builds agree: they round differently (FMA; bfloat16
+// weights), and float32 accumulations of O(1) terms over at most 1500 keys
+// agree to well within 1e-4 (bfloat16 outputs: 1e-2).
+void Agree(const Outputs& a_out, const Outputs& c_out, const char* what, const char* name,
+           an::DType dtype, int* failures) {
+  const float tolerance = dtype == an::DType::kF32 ? 1e-4f : 1e-2f;
+  for (int i = 0; i < 5; ++i) {
+    const auto &a = *Fields(a_out)[i], &c = *Fields(c_out)[i];
+    float worst = 0.0f;
+    for (size_t e = 0; e < a.size(); ++e) {
+      const float x = AsFloat(a[e]), y = AsFloat(c[e]);
+      if (std::isinf(x) && x == y) continue;  // lse of a row that sees no key
+      worst = std::max(worst, std::fabs(x - y));
+    }
+    if (!(worst <= tolerance)) {
+      std::printf("%s: %s: baseline and %s kernels differ by %g\n", what, kNames[i], name, worst);
+      ++*failures;
+    }
+  }
+}
+
+// Every case at 1 and 2 threads with every build of the kernels this CPU
+// runs, and each against the baseline.
 template <class Runner>
 void Check(const Runner& run, const char* what, int* failures) {
-  const bool v3 = an::KernelIsa() == std::string("x86-64-v3");
+  const std::string isa = an::KernelIsa();
   for (an::DType dtype : {an::DType::kF32, an::DType::kBF16}) {
     const Outputs base = SameAtOneAndTwo<Baseline>(
         [&](an::DType t, int n) { return run(Baseline{}, t, n); }, what, dtype, failures);
-    if (!v3) continue;
+    if (isa == "baseline") continue;
     const Outputs fast = SameAtOneAndTwo<V3>(
         [&](an::DType t, int n) { return run(V3{}, t, n); }, what, dtype, failures);
-    // The builds round differently (FMA); float32 accumulations of O(1) terms
-    // over at most 1500 keys agree to well within 1e-4 (bfloat16 outputs: 1e-2).
-    const float tolerance = dtype == an::DType::kF32 ? 1e-4f : 1e-2f;
-    for (int i = 0; i < 5; ++i) {
-      const auto &a = *Fields(base)[i], &c = *Fields(fast)[i];
-      float worst = 0.0f;
-      for (size_t e = 0; e < a.size(); ++e) {
-        const float x = AsFloat(a[e]), y = AsFloat(c[e]);
-        if (std::isinf(x) && x == y) continue;  // lse of a row that sees no key
-        worst = std::max(worst, std::fabs(x - y));
-      }
-      if (!(worst <= tolerance)) {
-        std::printf("%s: %s: baseline and x86-64-v3 kernels differ by %g\n", what, kNames[i],
-                    worst);
-        ++*failures;
-      }
-    }
+    Agree(base, fast, what, V3::name, dtype, failures);
+    if (isa != Avx512Bf16::name) continue;
+    const Outputs products = SameAtOneAndTwo<Avx512Bf16>(
+        [&](an::DType t, int n) { return run(Avx512Bf16{}, t, n); }, what, dtype, failures);
+    Agree(base, products, what, Avx512Bf16::name, dtype, failures);
   }
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -33,6 +34,11 @@ def library_path() -> Path:
     return Path(str(resources.files(__package__).joinpath(LIBRARY_NAME)))
 
 
+#: The kernels the library may run, least to most: ATTN_NATIVE_CPU_ISA caps the
+#: choice at one of them (unset: the best this CPU has; dispatch.cc).
+ISA_CAPS = ("baseline", "x86-64-v3", "avx512-bf16")
+
+
 @functools.cache
 def load_error() -> str | None:
     """Load the library and register its targets on cpu: None on success, else why not.
@@ -40,6 +46,10 @@ def load_error() -> str | None:
     Cached: the first call does the work (and a failure is not retried, so every
     later call reports the same reason without touching the loader again).
     """
+    cap = os.environ.get("ATTN_NATIVE_CPU_ISA", "")
+    if cap.strip() and cap not in ISA_CAPS:  # blank is unset, as for core's variables
+        return (f"ATTN_NATIVE_CPU_ISA: expected one of {', '.join(ISA_CAPS)} (the most the "
+                f"kernels may use; unset: the best this CPU has), got {cap!r}")
     return register(library_path())
 
 
@@ -76,8 +86,10 @@ def register(path: Path) -> str | None:
 
 
 def kernel_isa() -> str:
-    """The kernels this CPU runs, ``"x86-64-v3"`` (AVX2 + FMA) or ``"baseline"``
-    (the library dispatches once, by the CPU's features); loads the library."""
+    """The kernels this process runs, one of :data:`ISA_CAPS`: ``"avx512-bf16"``
+    (x86-64-v3's, and the dense bfloat16 forward by AVX512_BF16's bfloat16
+    products), ``"x86-64-v3"`` (AVX2 + FMA) or ``"baseline"``. The library
+    picks once, by the CPU's features and ATTN_NATIVE_CPU_ISA; loads it."""
     reason = load_error()
     if reason is not None:
         raise RuntimeError(f"native_cpu: {reason}")

@@ -25,18 +25,20 @@ def _prompt(model, tokens: int, seed: int) -> tuple[int, ...]:
 
 
 def test_requests_arriving_over_time_equal_each_served_alone(model):
-    lengths, arrivals = (10, 4000, 37, 700, 120), (0, 1, 1, 3, 9)
+    # A prompt of 2,000 tokens: four chunks of 512, past the local layers'
+    # window of 512 (4,000 tokens took 76 s in make test; 2,000 take 31 s alone).
+    lengths, arrivals = (10, 2000, 37, 700, 120), (0, 1, 1, 3, 9)
     requests = [Request(i, _prompt(model, n, i), max_new=6, arrival=a)
                 for i, (n, a) in enumerate(zip(lengths, arrivals, strict=True))]
-    engine = model.engine(4016, page_size=16, max_seqs=4, chunk_budget=512,
-                          num_pages=300)
+    engine = model.engine(2016, page_size=16, max_seqs=4, chunk_budget=512,
+                          num_pages=175)
     together = engine.run(requests)
     # prompt chunks of the long prompt beside other requests' decode rows
     mixed = [s for s in engine.steps if s.prefill and any(n == 1 for _, _, n in s.work)]
     assert mixed, [s.work for s in engine.steps]
     assert max(s.rows for s in engine.steps) <= 1024
     assert any(n == 512 for s in engine.steps for _, _, n in s.work)  # chunked prefill
-    # 5 requests for 4 slots, and a pool smaller than their 308 pages: some request
+    # 5 requests for 4 slots, and a pool smaller than their 183 pages: some request
     # started after it arrived, and never more than 4 ran in a step
     first = {}
     for step in engine.steps:
@@ -44,8 +46,8 @@ def test_requests_arriving_over_time_equal_each_served_alone(model):
             first.setdefault(rid, step.clock)
     assert any(first[r.id] > r.arrival for r in requests), first
     assert max(len(s.work) for s in engine.steps) <= 4
-    assert len(engine.free) == 300 and not engine.live
-    alone = model.engine(4016, page_size=16, max_seqs=1)  # one request at a time
+    assert len(engine.free) == 175 and not engine.live
+    alone = model.engine(2016, page_size=16, max_seqs=1)  # one request at a time
     for r in requests:
         assert together[r.id] == alone.run([Request(r.id, r.prompt, 6)])[r.id], r.id
         assert len(together[r.id]) == 6 or together[r.id][-1] == model.cfg.eos

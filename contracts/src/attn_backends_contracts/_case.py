@@ -32,6 +32,8 @@ class Case:
     ``return_lse`` feature itself is ``return_lse``). ``tiles``: run under the
     backend's ``tile_small_options(call)`` instead of its default options.
     ``dropout_rate``: attention dropout (> 0: the call gets a ``dropout_key``).
+    ``kv_dtype``: K and V quantized in it (values and ``k_scales``/``v_scales``
+    by the contract's rule; the oracle reads ``value * scale``), forward only.
     """
 
     name: str
@@ -60,11 +62,14 @@ class Case:
     quick: bool = False
     tiles: bool = False
     dropout_rate: float = 0.0
+    kv_dtype: str | None = None
 
     @property
     def id(self) -> str:
-        """Test id: ``family-name-dtype``, then ``-tiles`` for a tiles twin."""
-        return f"{self.family}-{self.name}-{self.dtype}" + ("-tiles" if self.tiles else "")
+        """Test id: ``family-name-dtype`` (``-kv_dtype`` for a quantized K and V),
+        then ``-tiles`` for a tiles twin."""
+        kv = f"-{self.kv_dtype}" if self.kv_dtype else ""
+        return f"{self.family}-{self.name}-{self.dtype}{kv}" + ("-tiles" if self.tiles else "")
 
     @property
     def features(self) -> frozenset[str]:

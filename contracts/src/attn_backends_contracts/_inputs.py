@@ -77,8 +77,9 @@ def _pair_shape(kind: str, b: int, h: int, tq: int, tk: int) -> tuple[int, int, 
 def make_inputs(case: Case) -> dict[str, Any]:
     """Arrays of ``case``; deterministic in its family and name.
 
-    Keys: q, k, v (numpy, case dtype) and q64, k64, v64 (their float64
-    values); kwargs (attention keyword arguments, numpy operands); d_out
+    Keys: q, k, v (numpy, case dtype; k and v in ``case.kv_dtype`` when
+    quantized, their scales in kwargs) and q64, k64, v64 (their float64
+    values, K and V dequantized); kwargs (attention keyword arguments, numpy operands); d_out
     (cotangent, case dtype) and d_out64; d_lse (``[B, Hq, Tq]``, float32, or
     float64 for a float64 case: lse's dtype).
     """
@@ -124,6 +125,13 @@ def make_inputs(case: Case) -> dict[str, Any]:
         kwargs["dropout_rate"] = case.dropout_rate
         kwargs["dropout_key"] = np.array([0, zlib.crc32(case.name.encode())], np.uint32)
     (q, q64), (k, k64), (v, v64) = (_cast(x, case.dtype) for x in (q, k, v))
+    if case.kv_dtype is not None:  # by the contract's rule; the oracle reads value * scale
+        from attn_backends.oracle import quantize_rows
+
+        (k, kwargs["k_scales"]), (v, kwargs["v_scales"]) = (
+            quantize_rows(x, case.kv_dtype) for x in (k64, v64))
+        k64, v64 = (x.astype(np.float64) * kwargs[f"{n}_scales"].astype(np.float64)[..., None]
+                    for n, x in (("k", k), ("v", v)))
     d_out, d_out64 = _cast(rng.standard_normal((b, tq, hq, dv)), case.dtype)
     d_lse = (0.5 * rng.standard_normal((b, hq, tq))).astype(
         np.float64 if wide(case.dtype) else np.float32)

@@ -59,7 +59,9 @@ def bound(attention: Any, case: Case, data: dict[str, Any]) -> Callable[..., Any
 
 def oracle(case: Case, data: dict[str, Any], differentiable: bool) -> dict[str, np.ndarray]:
     """Float64 oracle outputs: out, lse and (if ``differentiable``) dq, dk, dv, dbias."""
-    kw = {k: v for k, v in data["kwargs"].items() if v is not None}
+    # A quantized K and V's scales are in k64 and v64 already (dequantized).
+    kw = {k: v for k, v in data["kwargs"].items()
+          if v is not None and k not in ("k_scales", "v_scales")}
     if "bias" in kw:
         kw["bias"] = np.asarray(kw["bias"], np.float64)
     q, k, v = data["q64"], data["k64"], data["v64"]
@@ -103,13 +105,19 @@ class Outcome:
         return "; ".join(str(self.mismatches[n]) for n in self.failed(names))
 
 
+def _differentiable(capabilities: Any, case: Case) -> bool:
+    """Whether the case's gradients are judged: claimed, and not a quantized K
+    and V (forward only by the contract)."""
+    return bool(capabilities.differentiable) and case.kv_dtype is None
+
+
 def _program(
     attention: Any, capabilities: Any, case: Case, data: dict[str, Any]
 ) -> Callable[..., Any]:
     """``program(*args)`` -> (primal, grads): the case's plain forward (the
     backend's primal path) and, when claimed, its VJP (the differentiated path)."""
     f = bound(attention, case, data)
-    differentiable = capabilities.differentiable
+    differentiable = _differentiable(capabilities, case)
     grad_bias = data["kwargs"].get("bias") is not None and capabilities.bias_grad
 
     def program(q: Any, k: Any, v: Any, bias: Any, arrays: Any, d_out: Any, d_lse: Any) -> Any:
@@ -163,7 +171,7 @@ def _run_cases(
         return [program(*a) for program, a in zip(programs, args, strict=True)]
 
     results = compiled(batch, args)(args)
-    return [_outcome(case, data, primal, grads, capabilities.differentiable, platform)
+    return [_outcome(case, data, primal, grads, _differentiable(capabilities, case), platform)
             for (_, case), data, (primal, grads) in zip(runs, datas, results, strict=True)]
 
 

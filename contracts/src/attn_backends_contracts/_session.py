@@ -236,13 +236,16 @@ class Suite:
 
     def unclaimed(self) -> list[tuple[str, str]]:
         """(kind, value) the manifest does not claim: features, dtypes, platforms,
-        a head dim it rejects, and gradients it does not implement."""
+        quantized K and V dtypes, a head dim it rejects, and gradients it does
+        not implement."""
         import attn_backends
 
         caps = self.caps
         out = [("feature", f) for f in attn_backends.FEATURES if f not in caps.features]
         out += [("dtype", d) for d in sorted(attn_backends.CLAIMABLE_DTYPES - caps.dtypes)]
         out += [("platform", p) for p in sorted(attn_backends.PLATFORMS - caps.platforms)]
+        out += [("kv_dtype", d) for d in attn_backends.QUANTIZED_CACHE_DTYPES
+                if d not in caps.kv_dtypes]
         rejected = next((d for d in range(1, 4097) if caps.head_dims.reasons(d, "d")), None)
         if rejected is not None:
             out.append(("head_dim", str(rejected)))

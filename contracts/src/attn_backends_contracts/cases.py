@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import attn_backends
+
 # Re-exported: a case, the garbage value and the arrays of a case, beside the tables.
 from ._case import GARBAGE as GARBAGE
 from ._case import Case
@@ -203,6 +205,26 @@ DROPOUT = (
     _c("dropout", "q4k37-b2", batch=2, q_len=4, kv_len=37, dropout_rate=0.1),
 )
 
+# Quantized K and V (the ``quantized`` family, beside its paged cases;
+# forward only): the oracle reads value * scale exactly, so each case is judged
+# at its q dtype's tolerance. Several blocks of any small-tile options, GQA,
+# causal with Tq != Tk and lse; garbage past kv_lengths (quantized with the
+# rest: large, finite); a window with softcap; a decode step over 300 keys;
+# MQA with a bias and query lengths.
+# All run for the first claimed kv dtype, the quick one for each other, and
+# in bfloat16 too where claimed.
+QUANTIZED = (
+    _c("quantized", "dense-causal-gqa", batch=2, q_len=45, kv_len=77, q_heads=4, kv_heads=2,
+       causal=True, lse=True, quick=True),
+    _c("quantized", "dense-garbage-lengths", batch=2, q_len=23, kv_len=41, kv_lengths=(41, 19),
+       inputs="garbage"),
+    _c("quantized", "dense-window-softcap", q_len=37, kv_len=37, window=(9, 0), softcap=5.0),
+    _c("quantized", "dense-decode-q1k300", batch=2, q_len=1, kv_len=300, q_heads=8, kv_heads=2,
+       kv_lengths=(300, 150)),
+    _c("quantized", "dense-mqa-bias-qlengths", batch=2, q_len=19, kv_len=33, q_heads=4,
+       kv_heads=1, bias="per_head", q_lengths=(19, 8)),
+)
+
 #: Every table by family name, in report order.
 TABLES: dict[str, tuple[Case, ...]] = {
     t[0].family: t
@@ -306,6 +328,7 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
             if quick and not case.quick:
                 continue
             chosen.append(replace(case, dtype=primary))
+    chosen += quantized_cases(caps, primary, quick)
     sweep = QUICK_SWEEP if quick else DTYPE_SWEEP
     by_key = {(c.family, c.name): c for t in tables.values() for c in t}
     wide = []
@@ -331,6 +354,19 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
                        return_lse=case.return_lse or (case.lse and caps.return_lse))
         if served_features(case, caps) <= caps.features:
             out.append(case)
+    return out
+
+
+def quantized_cases(capabilities: Any, primary: str, quick: bool) -> list[Case]:
+    """:data:`QUANTIZED` for the manifest's ``kv_dtypes``: every case for the first
+    (in ``attn_backends.QUANTIZED_CACHE_DTYPES``' order), the quick ones for the
+    others, and the first quick one in bfloat16 when claimed beside ``primary``."""
+    kv_dtypes = [d for d in attn_backends.QUANTIZED_CACHE_DTYPES
+                 if d in getattr(capabilities, "kv_dtypes", ())]
+    out = [replace(c, dtype=primary, kv_dtype=kv) for i, kv in enumerate(kv_dtypes)
+           for c in QUANTIZED if c.quick or (i == 0 and not quick)]
+    if kv_dtypes and "bfloat16" in capabilities.dtypes and primary != "bfloat16":
+        out.append(replace(QUANTIZED[0], dtype="bfloat16", kv_dtype=kv_dtypes[0]))
     return out
 
 

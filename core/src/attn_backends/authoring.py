@@ -89,7 +89,7 @@ def manifest(*, platforms: Iterable[str], features: Iterable[str] = (),
     ``platforms`` and ``features`` are collections of names (not one string);
     ``fields`` are the manifest's other fields (``dtypes``, ``head_dims``,
     ``bias_grad``, ``differentiable``, ``deterministic``, ``partitionable``,
-    ``interpret``, ``jax_versions``), with ``Capabilities``' defaults.
+    ``interpret``, ``jax_versions``, ``kv_dtypes``), with ``Capabilities``' defaults.
     Raises ValueError for a name that is not a feature, TypeError for a feature
     given as a keyword (``causal=True``: name it in ``features``).
     """

@@ -34,6 +34,8 @@ def _unclaimed_case(suite: Any, kind: str, value: str) -> Any:
         return single_case(suite.caps, "unclaimed", value, dtype=value)
     if kind == "head_dim":
         return single_case(suite.caps, "unclaimed", value, head_dim=int(value))
+    if kind == "kv_dtype":
+        return single_case(suite.caps, "unclaimed", value, kv_dtype=value)
     if kind == "gradient" and value == "bias":
         return single_case(suite.caps, "unclaimed", value, "bias")
     return single_case(suite.caps, "unclaimed", value)

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from attn_backends_contracts import tolerances
+from attn_backends_contracts._inputs import make_inputs
+from attn_backends_contracts._runner import bound, split_kwargs
 
 
 def _skip_declined(suite: Any, case: Any) -> None:
@@ -38,7 +40,10 @@ def test_forward(attn_suite: Any, attn_case: Any) -> None:
 
 
 def test_gradients(attn_suite: Any, attn_case: Any) -> None:
-    """dq, dk, dv (and dbias when bias_grad is claimed) equal the oracle's VJP."""
+    """dq, dk, dv (and dbias when bias_grad is claimed) equal the oracle's VJP; a
+    quantized K and V's gradient raises UnsupportedError (forward only)."""
+    if attn_case.kv_dtype is not None:
+        return _gradient_refused(attn_suite, attn_case)
     if not attn_suite.caps.differentiable:
         pytest.skip("differentiable=False: test_unclaimed checks that gradients raise")
     _skip_declined(attn_suite, attn_case)
@@ -52,3 +57,23 @@ def test_gradients(attn_suite: Any, attn_case: Any) -> None:
         attn_suite.note_errors(attn_case.dtype, {n: outcome.errors[n] for n in names})
     bad = outcome.failed(names)
     assert not bad, f"{attn_case.id}: {outcome.describe(bad)}"
+
+
+def _gradient_refused(suite: Any, case: Any) -> None:
+    """Attention over a quantized K and V is forward only (docs/DESIGN.md,
+    "Quantized caches"): its gradient raises, never returns a number."""
+    import attn_backends
+    import jax
+    import jax.numpy as jnp
+
+    _skip_declined(suite, case)
+    data = make_inputs(case)
+    _, arrays, bias = split_kwargs(data["kwargs"])
+    f = bound(suite.attention_for(case), case, data)
+
+    def loss(q: Any) -> Any:
+        out = f(q, data["k"], data["v"], bias, arrays)
+        return jnp.sum((out[0] if case.return_lse else out).astype(jnp.float32))
+
+    with pytest.raises(attn_backends.UnsupportedError, match="forward only"):
+        jax.eval_shape(jax.grad(loss), data["q"])

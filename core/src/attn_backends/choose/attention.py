@@ -31,7 +31,14 @@ from ..contract.errors import (
     warn,
 )
 from .discovery import Origin
-from .dispatch import Served, by_pass, empty_result, manual_axes_judging, unavailable_message
+from .dispatch import (
+    Served,
+    by_pass,
+    empty_result,
+    manual_axes_judging,
+    single_device_only,
+    unavailable_message,
+)
 from .select import LOCAL_WORK, Agree, Explanation, Measured, Probe, Tuning, record, select
 
 #: Distinct call signatures one Attention remembers; older ones are evicted.
@@ -104,13 +111,13 @@ class Attention:
 
     ``attention(q, k, v, *, scale=None, causal=False, window=None,
     segment_ids=None, q_lengths=None, kv_lengths=None, mask=None, bias=None,
-    softcap=None, return_lse=False, dropout_rate=0.0, dropout_key=None)`` with q
-    ``[B, Tq, Hq, D]``, k
+    softcap=None, return_lse=False, dropout_rate=0.0, dropout_key=None,
+    k_scales=None, v_scales=None)`` with q ``[B, Tq, Hq, D]``, k
     ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` returns out ``[B, Tq, Hq, Dv]``
     (and lse ``[B, Hq, Tq]`` float32 with ``return_lse=True``). With
     ``layout="BHTD"`` q, k, v and out are ``[B, H, T, D]`` instead, transposed
-    to and from the contract's layout here; lse, mask, bias, ids and lengths
-    have the same shapes in both layouts. Selection
+    to and from the contract's layout here; lse, mask, bias, ids, lengths and
+    scales have the same shapes in both layouts. Selection
     runs once per call signature, at trace time under ``jit``; the selected
     backend is lowered only for its platform (``platforms``: one, or several
     for a program exported for each). Inputs sharded on a mesh (or a
@@ -239,8 +246,8 @@ class Attention:
         call, operands = bind(q, k, v, **kwargs)
         where = functools.partial(self._is_local, call, q, k, v, operands)
         if self._goes_parallel(q):
-            return self._parallel_layer().explain(self._single_device(where), self.sharding,
-                                                  call, q, k, v)
+            return self._parallel_for(call).explain(self._single_device(where), self.sharding,
+                                                    call, q, k, v)
         return self.explain_call(call, grad=grad and self._tuned_apart(call, self.platform),
                                  local=where(None),
                                  **manual_axes_judging(varying_axes(q, k, v, operands)))
@@ -330,12 +337,14 @@ class Attention:
         return_lse: bool = False,
         dropout_rate: float = 0.0,
         dropout_key: Any = None,
+        k_scales: Any = None,
+        v_scales: Any = None,
     ) -> Any:
         kwargs = dict(
             scale=scale, causal=causal, window=window, segment_ids=segment_ids,
             q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, bias=bias,
             softcap=softcap, return_lse=return_lse, dropout_rate=dropout_rate,
-            dropout_key=dropout_key,
+            dropout_key=dropout_key, k_scales=k_scales, v_scales=v_scales,
         )
         if self.layout == "BTNH":
             return self._attend(q, k, v, **kwargs)
@@ -365,16 +374,8 @@ class Attention:
             raise PlatformUnavailableError(unavailable_message([p for p, _ in self.platforms]))
         where = functools.partial(self._is_local, call, q, k, v, operands)
         if self._goes_parallel(q):
-            if "dropout" in call.features:
-                # Each device would draw its shard's mask from the same key and
-                # local positions: masks repeated across shards, not the contract's.
-                raise UnsupportedError(
-                    f"dropout_rate={call.dropout_rate}: attention dropout is served on a "
-                    "single device only, not for sharded or ring attention; apply "
-                    "dropout outside attention there, or call it unsharded"
-                )
-            return self._parallel_layer().run(self._single_device(where), self.sharding,
-                                              call, q, k, v, operands)
+            return self._parallel_for(call).run(self._single_device(where), self.sharding,
+                                                call, q, k, v, operands)
         local, manual = where(None), varying_axes(q, k, v, operands)
         served = {p: self.backend_for(call, platform=p, local=local, manual=manual)
                   for p, _ in self.platforms}
@@ -401,7 +402,12 @@ class Attention:
         # q decides: k and v must share its layout, which the parallel layer checks.
         return self.sharding is not None or is_sharded(q)
 
-    def _parallel_layer(self) -> ParallelLayer:
+    def _parallel_for(self, call: AttentionCall) -> ParallelLayer:
+        """The parallel layer for ``call``; UnsupportedError for a call served on a
+        single device only (dispatch.single_device_only says why)."""
+        refusal = single_device_only(call)
+        if refusal is not None:
+            raise UnsupportedError(refusal)
         if self._parallel is None:
             raise UnsupportedError(
                 "q is sharded over mesh axes, and this registry was made without the "

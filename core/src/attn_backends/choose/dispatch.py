@@ -143,9 +143,14 @@ class Served:
                 refuse_unclaimed(backend, served, manual)
                 q, k, v, operands = guard_gradients(backend, q, k, v, operands)
                 operands = lengths_in_range(served, operands)
+                attend = functools.partial(_attend_with, backend, dataclasses.replace(
+                    served, platform=platform), options.get(backend.name))
+                if served.kv_dtype is not None:
+                    attend = forward_only(attend, (
+                        f"k, v: attention over a quantized K and V ({served.kv_dtype}) is "
+                        "forward only: the contract defines no gradient for it"))
                 with jax.named_scope(f"attn/{backend.name}"):
-                    return backend.attend(dataclasses.replace(served, platform=platform), q, k,
-                                          v, operands, options.get(backend.name))
+                    return attend(q, k, v, operands)
             return run
 
         # Inside a user's shard_map: q, k, v and bias vary over every manual axis
@@ -158,6 +163,11 @@ class Served:
             operands = operands._replace(bias=bias)
         branches = {platform: branch(platform, backend) for platform, backend in self.backends}
         return on_platforms(branches, lambda q, *_: empty_result(call, q), q, k, v, operands)
+
+
+def _attend_with(backend: Backend, call: AttentionCall, options: Any, q: Any, k: Any, v: Any,
+                 operands: Operands) -> Any:
+    return backend.attend(call, q, k, v, operands, options)
 
 
 def by_pass(forward: Served, differentiated: Served) -> Callable[..., Any]:
@@ -317,6 +327,41 @@ def guard_gradients(
         message = f"backend {backend.name!r} has no gradient w.r.t. bias (bias_grad=False)"
         operands = operands._replace(bias=no_gradient(operands.bias, message))
     return q, k, v, operands
+
+
+def forward_only(attend: Callable[..., Any], message: str) -> Callable[..., Any]:
+    """``attend(q, k, v, operands)`` whose gradient raises UnsupportedError(message)
+    when traced, before JAX differentiates anything inside it (a loop whose
+    bounds are values cannot be, and would raise its own error)."""
+
+    @jax.custom_vjp
+    def run(q: Any, k: Any, v: Any, operands: Operands) -> Any:
+        return attend(q, k, v, operands)
+
+    def run_fwd(q: Any, k: Any, v: Any, operands: Operands) -> tuple[Any, None]:
+        return attend(q, k, v, operands), None
+
+    def run_bwd(_: None, g: Any) -> Any:
+        raise UnsupportedError(message)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
+
+
+def single_device_only(call: AttentionCall) -> str | None:
+    """Why ``call`` is served on a single device only, not sharded or by ring
+    attention (the refusal's message); None when it is not."""
+    if "dropout" in call.features:
+        # Each device would draw its shard's mask from the same key and
+        # local positions: masks repeated across shards, not the contract's.
+        return (f"dropout_rate={call.dropout_rate}: attention dropout is served on a "
+                "single device only, not for sharded or ring attention; apply "
+                "dropout outside attention there, or call it unsharded")
+    if call.kv_dtype is not None:
+        return (f"k, v: attention over a quantized K and V ({call.kv_dtype}) is served on a "
+                "single device only, not for sharded or ring attention; call it unsharded "
+                "(or per device, inside your own jax.shard_map)")
+    return None
 
 
 def lengths_in_range(call: AttentionCall, operands: Operands) -> Operands:

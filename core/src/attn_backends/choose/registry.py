@@ -190,8 +190,8 @@ class Registry:
         ``layout`` is the axis order of q, k, v and the output: ``"BTNH"``
         (``[B, T, H, D]``, the contract's and ``jax.nn.dot_product_attention``'s)
         or ``"BHTD"`` (``[B, H, T, D]``, PyTorch's), which the Attention
-        transposes to and from BTNH; lse, mask, bias, ids and lengths keep their
-        shapes. Shapes alone cannot tell the two apart when head counts divide
+        transposes to and from BTNH; lse, mask, bias, ids, lengths and scales
+        keep their shapes. Shapes alone cannot tell the two apart when head counts divide
         (docs/DESIGN.md, section 2): code holding BHTD arrays says so here.
 
         Sharding (docs/MANY_CHIPS.md): ``mesh`` (a ``jax.sharding.Mesh`` or

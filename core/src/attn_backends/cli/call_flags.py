@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..contract.call import QUANTIZED_CACHE_DTYPES
 from ..contract.capabilities import DTYPES
 from ..contract.environment import expected
 
@@ -92,6 +93,8 @@ def add_call_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bias", action="store_true", help="a dense [B,Hq,Tq,Tk] bias")
     parser.add_argument("--softcap", type=_softcap, default=None)
     parser.add_argument("--return-lse", action="store_true")
+    parser.add_argument("--kv-dtype", default=None, choices=QUANTIZED_CACHE_DTYPES,
+                        help="K and V quantized in this dtype, with float32 scales [B,Tk,Hkv]")
 
 
 def call_arguments(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]]:
@@ -109,7 +112,8 @@ def call_arguments(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
     sds = jax.ShapeDtypeStruct
     # q, k, v in the layout given (the attention transposes them); the rest is
     # the same in both.
-    q, k, v = sds(args.q, dtype), sds(args.kv, dtype), sds((*args.kv[:3], dv), dtype)
+    kv_dtype = dtype if args.kv_dtype is None else jnp.dtype(args.kv_dtype)
+    q, k, v = sds(args.q, dtype), sds(args.kv, kv_dtype), sds((*args.kv[:3], dv), kv_dtype)
     kwargs: dict[str, Any] = {
         "causal": args.causal,
         "window": args.window,
@@ -128,4 +132,7 @@ def call_arguments(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
         kwargs["mask"] = sds((b, 1, 1, tk), jnp.bool_)
     if args.bias:
         kwargs["bias"] = sds((b, hq, tq, tk), dtype)
+    if args.kv_dtype is not None:
+        hkv = args.kv[1] if args.layout == "BHTD" else args.kv[2]
+        kwargs["k_scales"] = kwargs["v_scales"] = sds((bk, tk, hkv), jnp.float32)
     return q, k, v, kwargs

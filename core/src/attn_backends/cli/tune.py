@@ -177,6 +177,9 @@ def signatures_from_args(args: Any, registry: Any, call_arguments: Callable[[Any
     call = registry.get(device=args.device, fallback="silent",
                         layout=args.layout).explain(q, k, v, **kwargs).call
     passes = (False, True) if getattr(args, "both", False) else (bool(args.grad),)
+    if call.kv_dtype is not None and any(passes):
+        raise ValueError(f"--kv-dtype {call.kv_dtype}: attention over a quantized K and V is "
+                         "forward only; tune it without --grad or --both")
     return [Signature(call, grad) for grad in passes]
 
 
@@ -194,7 +197,11 @@ def cmd_tune(args: Any, registry: Any, call_arguments: Callable[[Any], Any],
         print(f"attn-backends tune: JAX sees no {platform} here; tune on the machine the "
               "table is for", file=sys.stderr)
         return 2
-    signatures = signatures_from_args(args, registry, call_arguments)
+    try:
+        signatures = signatures_from_args(args, registry, call_arguments)
+    except ValueError as error:
+        print(f"attn-backends tune: {error}", file=sys.stderr)
+        return 2
     if args.from_file:
         parser = build_parser()
         with open(args.from_file) as lines:
@@ -208,7 +215,12 @@ def cmd_tune(args: Any, registry: Any, call_arguments: Callable[[Any], Any],
                     print(f"attn-backends tune: {args.from_file}:{number}: not a call in "
                           f"tune's flags: {line.strip()!r}", file=sys.stderr)
                     return 2
-                signatures += signatures_from_args(one, registry, call_arguments)
+                try:
+                    signatures += signatures_from_args(one, registry, call_arguments)
+                except ValueError as error:
+                    print(f"attn-backends tune: {args.from_file}:{number}: {error}",
+                          file=sys.stderr)
+                    return 2
     if not signatures:
         print("attn-backends tune: no call to tune: give --q and --kv (and the call's "
               "flags), or --from FILE", file=sys.stderr)
@@ -225,6 +237,7 @@ def cmd_tune(args: Any, registry: Any, call_arguments: Callable[[Any], Any],
         cls = entry.shape_class
         what = (f"q[{cls['batch']},{cls['q_len']},{cls['q_heads']},{cls['head_dim']}] "
                 f"kv[{cls['kv_len']},{cls['kv_heads']}] {cls['dtype']}"
+                f"{' kv=' + cls['kv_dtype'] if cls.get('kv_dtype') else ''}"
                 f"{' causal' if cls['causal'] else ''} {'fwd+bwd' if cls['grad'] else 'fwd'}")
         print(f"{what}: {entry.winner} ({entry.reason}; {entry.summary()})", file=sys.stderr)
     print(f"tuning table written to {out}", file=sys.stderr)
@@ -235,11 +248,14 @@ def signatures_of(fn: Callable[..., Any], *args: Any, passes: Sequence[bool] = (
                   **kwargs: Any) -> list[Signature]:
     """Every attention call ``fn(*args, **kwargs)`` makes, found by tracing it
     (``jax.jit(fn).trace``; nothing runs), as one signature per pass in ``passes``
-    (False: forward; True: forward and backward)."""
+    (False: forward; True: forward and backward; a quantized K and V's call
+    forward only)."""
     import jax
 
     from ..choose.select import recording_calls
 
     with recording_calls() as calls:
         jax.jit(fn).trace(*args, **kwargs)
-    return [Signature(call, grad) for call in calls for grad in passes]
+    # A quantized K and V is forward only: no backward to time.
+    return [Signature(call, grad) for call in calls for grad in passes
+            if not (grad and call.kv_dtype is not None)]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .call import WIDE_DTYPES, AttentionCall, Operands, bindable
+from .call import QUANTIZED_CACHE_DTYPES, WIDE_DTYPES, AttentionCall, Operands, bindable
 
 _BHTD_HINT = (
     "for [B, H, T, D] arrays get the attention with registry.get(layout='BHTD') "
@@ -65,9 +65,22 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
                 f"jax.nn.dot_product_attention), got shape {shape_of(x)}"
             )
     dtypes = {n: dtype_name(x) for n, x in (("q", q), ("k", k), ("v", v))}
-    for name, dt in dtypes.items():
-        check_float(name, dt)
-    if len(set(dtypes.values())) > 1:
+    check_float("q", dtypes["q"])
+    if {dtypes["k"], dtypes["v"]} & set(QUANTIZED_CACHE_DTYPES):  # quantized: check_scales
+        if dtypes["k"] != dtypes["v"]:
+            raise ValueError(
+                f"k, v: expected both quantized in one dtype (with k_scales and v_scales), "
+                f"got k={dtypes['k']}, v={dtypes['v']}; quantize both alike "
+                "(attn_backends.authoring.quantize)")
+    else:
+        for name in ("k", "v"):
+            try:
+                check_float(name, dtypes[name])
+            except ValueError as error:
+                raise ValueError(f"{str(error).rstrip('.')}; or, stored quantized, one of "
+                                 f"{list(QUANTIZED_CACHE_DTYPES)} with k_scales and "
+                                 "v_scales") from None
+    if dtypes["k"] not in QUANTIZED_CACHE_DTYPES and len(set(dtypes.values())) > 1:
         raise ValueError(
             f"q, k, v: expected one dtype, got q={dtypes['q']}, k={dtypes['k']}, "
             f"v={dtypes['v']}. Cast them to the same dtype."
@@ -97,6 +110,39 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
             f"heads: expected q heads Hq={hq} to be a multiple of kv heads Hkv={hk} "
             f"(GQA/MQA).{layout_hint}"
         )
+
+
+def check_scales(k: Any, k_scales: Any, v_scales: Any, b: int, tk: int, hkv: int) -> str | None:
+    """The quantized dtype of K and V (its scales checked), or None when K and V
+    are not quantized (then no scales may be given)."""
+    kv_dtype = dtype_name(k)
+    scales = (("k_scales", k_scales), ("v_scales", v_scales))
+    if kv_dtype not in QUANTIZED_CACHE_DTYPES:
+        for name, x in scales:
+            if x is not None:
+                raise ValueError(
+                    f"{name}: given with k and v in {kv_dtype}, which are not quantized; "
+                    f"scales go with K and V stored in one of {list(QUANTIZED_CACHE_DTYPES)} "
+                    "(attention reads value * scale): leave it out")
+        return None
+    want = [b, tk, hkv]
+    for name, x in scales:
+        if x is None:
+            raise ValueError(
+                f"{name}: k and v are quantized ({kv_dtype}), so their float32 scales "
+                f"{want} [B, Tk, Hkv] are needed (attention reads value * scale), got None")
+        require_array(name, x)
+        if list(shape_of(x)) != want:
+            hint = ""
+            if list(shape_of(x)) == [b, hkv, tk]:
+                hint = ("; it looks like [B, Hkv, Tk]: scales are [B, Tk, Hkv] in both "
+                        "layouts, so pass x.transpose(0, 2, 1)")
+            raise ValueError(f"{name}: expected shape [B, Tk, Hkv] = {want} (one scale per "
+                             f"position and kv head), got {list(shape_of(x))}{hint}")
+        if dtype_name(x) != "float32":
+            raise ValueError(f"{name}: expected dtype float32, got {dtype_name(x)}; pass "
+                             "x.astype(jnp.float32)")
+    return kv_dtype
 
 
 def check_int_array(
@@ -248,6 +294,8 @@ def bind(
     return_lse: bool = False,
     dropout_rate: float = 0.0,
     dropout_key: Any = None,
+    k_scales: Any = None,
+    v_scales: Any = None,
 ) -> tuple[AttentionCall, Operands]:
     """Validate the arguments of ``attention(...)`` and normalise them.
 
@@ -257,6 +305,7 @@ def bind(
     check_qkv(q, k, v)
     b, tq, hq, d = shape_of(q)
     tk, hkv, dv = shape_of(v)[1:]
+    kv_dtype = check_scales(k, k_scales, v_scales, b, tk, hkv)
     for flag_name, flag in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(flag, (bool, np.bool_)):
             raise ValueError(
@@ -311,5 +360,7 @@ def bind(
         softcap=check_softcap(softcap),
         return_lse=bool(return_lse),
         dropout_rate=check_dropout(dropout_rate, dropout_key),
+        kv_dtype=kv_dtype,
     )
-    return call, Operands(q_ids, kv_ids, q_lengths, kv_lengths, mask, bias, dropout_key)
+    return call, Operands(q_ids, kv_ids, q_lengths, kv_lengths, mask, bias, dropout_key,
+                          k_scales, v_scales)

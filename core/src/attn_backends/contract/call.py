@@ -35,6 +35,12 @@ DTYPES = frozenset({"float32", "bfloat16", "float16"})
 #: Dtypes a call may have only under ``jax_enable_x64`` (without it JAX would
 #: compute them in float32); a backend serves them only if its manifest claims them.
 WIDE_DTYPES = frozenset({"float64"})
+#: The dtypes K and V (a dense call's, or a paged cache's,
+#: ``PagedCall.cache_dtype``) may be stored quantized in: int8 (symmetric,
+#: round to nearest even) and the two float8 formats, each position's K and V
+#: of each kv head with one float32 scale (docs/DESIGN.md, "Quantized caches");
+#: the attention is that of the dequantized values.
+QUANTIZED_CACHE_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,11 @@ class AttentionCall:
     #: [0, 1); 0 is no dropout. Static (part of the program); its key is the
     #: ``dropout_key`` operand. Added within api_version 1.
     dropout_rate: float = 0.0
+    #: One of :data:`QUANTIZED_CACHE_DTYPES` when K and V arrive quantized
+    #: (values in it, their scales the ``k_scales``/``v_scales`` operands;
+    #: attention is defined on ``value * scale``, forward only); None when K and V
+    #: are in :attr:`dtype`. Added within api_version 1.
+    kv_dtype: str | None = None
 
     @property
     def group(self) -> int:
@@ -133,6 +144,8 @@ class AttentionCall:
             if feature in self.features:
                 extras.append({"window": f"window={self.window}",
                                "dropout": f"dropout={self.dropout_rate}"}.get(feature, feature))
+        if self.kv_dtype is not None:
+            extras.insert(0, f"kv={self.kv_dtype}")
         return text + (" " + " ".join(extras) if extras else "")
 
 
@@ -143,7 +156,9 @@ class Operands(NamedTuple):
     q_lengths ``[B]`` int, kv_lengths ``[B]`` int, mask ``[B|1, Hq|1, Tq, Tk]``
     bool (or a key mask ``[B|1, 1, 1, Tk]``, never handed to a backend as
     such), bias ``[B|1, Hq|1, Tq, Tk]`` float, dropout_key the PRNG key of a
-    dropout call (a typed key array of shape ``[]`` or a raw ``uint32[2]``).
+    dropout call (a typed key array of shape ``[]`` or a raw ``uint32[2]``),
+    k_scales and v_scales ``[B, Tk, Hkv]`` float32 the scales of quantized K
+    and V (``call.kv_dtype``).
     """
 
     q_segment_ids: Any = None
@@ -153,6 +168,8 @@ class Operands(NamedTuple):
     mask: Any = None
     bias: Any = None
     dropout_key: Any = None
+    k_scales: Any = None
+    v_scales: Any = None
 
 
 def bindable(dtype: str) -> bool:

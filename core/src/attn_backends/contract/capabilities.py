@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .call import DTYPES, FEATURES, WIDE_DTYPES, AttentionCall
+from .call import DTYPES, FEATURES, QUANTIZED_CACHE_DTYPES, WIDE_DTYPES, AttentionCall
 from .environment import PLATFORMS, check_platform
 
 #: Every dtype a manifest may claim: :data:`DTYPES` (the default claim) and
@@ -91,10 +91,20 @@ class Capabilities:
     check_vma: bool = False
     interpret: bool = False
     jax_versions: str = ""
+    #: The quantized K, V it reads (``AttentionCall.kv_dtype``; a subset of
+    #: :data:`attn_backends.QUANTIZED_CACHE_DTYPES`), forward only.
+    kv_dtypes: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "platforms", frozenset(self.platforms))
         object.__setattr__(self, "dtypes", frozenset(self.dtypes))
+        if isinstance(self.kv_dtypes, str):
+            raise ValueError(f"Capabilities: kv_dtypes must be a collection of dtype names, "
+                             f"got the string {self.kv_dtypes!r}")
+        object.__setattr__(self, "kv_dtypes", frozenset(self.kv_dtypes))
+        if not self.kv_dtypes <= frozenset(QUANTIZED_CACHE_DTYPES):
+            raise ValueError(f"Capabilities: kv_dtypes={sorted(self.kv_dtypes)} must be a "
+                             f"subset of {list(QUANTIZED_CACHE_DTYPES)}")
         if not self.platforms:
             raise ValueError(
                 f"Capabilities: platforms is empty; name at least one of {sorted(PLATFORMS)} "
@@ -134,6 +144,10 @@ class Capabilities:
             reasons += self.head_dims.reasons(call.v_head_dim, "v_head_dim")
         for feature in sorted(call.features - self.features):
             reasons.append(f"feature {feature!r} not supported")
+        if call.kv_dtype is not None and call.kv_dtype not in self.kv_dtypes:
+            reads = ", ".join(sorted(self.kv_dtypes)) or "none"
+            reasons.append(f"kv dtype {call.kv_dtype}: reads no such quantized K, V "
+                           f"(reads {reads})")
         return reasons
 
     def served_call(self, call: AttentionCall) -> AttentionCall:

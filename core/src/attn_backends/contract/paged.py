@@ -23,7 +23,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from .call import DTYPES, WIDE_DTYPES
+from .call import DTYPES, QUANTIZED_CACHE_DTYPES, WIDE_DTYPES
 from .capabilities import CLAIMABLE_DTYPES, HeadDims, manifest_dict, validate_spec
 from .environment import PLATFORMS, check_platform
 from .errors import UnsupportedError
@@ -35,11 +35,6 @@ CANONICAL_LAYOUT = "canonical"
 #: Paged call features a :class:`PagedCapabilities` manifest may claim.
 PAGED_FEATURES = ("gqa", "softcap", "window")
 
-#: The dtypes a cache may be stored quantized in (``PagedCall.cache_dtype``):
-#: int8 (symmetric, round to nearest even) and the two float8 formats. Each
-#: position's K and V of each kv head carry one float32 scale (docs/DESIGN.md,
-#: "Quantized caches"); the attention is that of the dequantized cache.
-QUANTIZED_CACHE_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 #: The names of a cache's arrays in the canonical view, in order: K and V, and
 #: for a quantized cache their scales.
 CANONICAL_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")

@@ -115,7 +115,9 @@ def inputs(call: AttentionCall, seed: int = 0) -> dict[str, Any]:
 
     q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]``, d_out
     like the output, d_lse ``[B, Hq, Tq]`` (None unless the call returns
-    lse); a dropout call's operands hold a raw ``uint32[2]`` ``dropout_key``.
+    lse); a dropout call's operands hold a raw ``uint32[2]`` ``dropout_key``, a
+    quantized one's (``call.kv_dtype``) k and v values and their float32
+    ``k_scales``, ``v_scales`` ``[B, Tk, Hkv]``.
     Floating arrays are already rounded to the call's dtype, so the float64
     oracle sees exactly what the backend sees. Rows see several keys
     wherever the call's shape allows: lengths are long (:func:`_lengths_of_rows`),
@@ -153,6 +155,11 @@ def inputs(call: AttentionCall, seed: int = 0) -> dict[str, Any]:
     if call.dropout_rate:
         # A raw key (jax.random.PRNGKey's layout), so the inputs stay NumPy.
         ops["dropout_key"] = np.array([0, seed + 1], np.uint32)
+    if call.kv_dtype is not None:  # quantized K and V: values and scales, the contract's rule
+        from .paged_inputs import quantize_rows
+
+        for name in ("k", "v"):
+            arrays[name], ops[f"{name}_scales"] = quantize_rows(arrays[name], call.kv_dtype)
     arrays["operands"] = ops
     return arrays
 
@@ -165,7 +172,8 @@ def operands(ops: dict[str, Any]) -> Operands:
     if "segment_ids" in ops:
         q_ids, kv_ids = ops["segment_ids"]
         out = out._replace(q_segment_ids=jnp.asarray(q_ids), kv_segment_ids=jnp.asarray(kv_ids))
-    for name in ("q_lengths", "kv_lengths", "mask", "bias", "dropout_key"):
+    for name in ("q_lengths", "kv_lengths", "mask", "bias", "dropout_key", "k_scales",
+                 "v_scales"):
         if name in ops:
             out = out._replace(**{name: jnp.asarray(ops[name])})
     return out

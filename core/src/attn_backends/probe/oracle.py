@@ -6,7 +6,8 @@ float64, written for clarity over speed: every quantity is dense
 backends against it, and :func:`magnitudes` gives the scale each compared
 element is judged at. The paged oracle (:func:`paged_attention`) and the ragged
 batches the paged probe and suite judge it on (:func:`paged_case`, :class:`PagedCase`)
-are public here too.
+are public here too, as is the NumPy quantizer of the quantized K and V they
+are judged on (:func:`quantize_rows`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from .paged_inputs import PagedCase, paged_case
+from .paged_inputs import PagedCase, paged_case, quantize_rows
 from .paged_oracle import paged_attention
 
 __all__ = ["PagedCase", "attention", "attention_vjp", "magnitudes", "paged_attention",
-           "paged_case", "visibility"]
+           "paged_case", "quantize_rows", "visibility"]
 
 
 def _f64(x: Any) -> np.ndarray:

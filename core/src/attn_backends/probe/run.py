@@ -77,11 +77,15 @@ def _oracle_results(
 ) -> tuple[dict, dict]:
     ops = dict(data["operands"])
     ops.pop("dropout_key", None)
+    scales = ops.pop("k_scales", None), ops.pop("v_scales", None)
     if keep is not None:
         ops.update(dropout_rate=call.dropout_rate, dropout_keep=keep)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window, softcap=call.softcap,
                   **ops)
     q, k, v, d_out = data["q"], data["k"], data["v"], data["d_out"]
+    if call.kv_dtype is not None:  # the oracle reads the dequantized K and V, exactly
+        k, v = (x.astype(np.float64) * s.astype(np.float64)[..., None]
+                for x, s in zip((k, v), scales, strict=True))
     out, lse = oracle.attention(q, k, v, **kwargs)
     want: dict[str, Any] = {"out": out}
     if call.return_lse:
@@ -172,7 +176,7 @@ def run_probe(
         return None
     caps = backend.capabilities
     grads: tuple[str, ...] = ()
-    if caps.differentiable:
+    if caps.differentiable and small.kv_dtype is None:  # quantized K, V: forward only
         with_bias = small.bias_shape is not None and caps.bias_grad
         grads = ("q", "k", "v") + (("bias",) if with_bias else ())
     data = _probe_call.inputs(small)

@@ -82,6 +82,8 @@ def shape_class(call: AttentionCall, grad: bool) -> dict[str, Any]:
     bucketed, the platform left out (the section holds it), and ``grad``."""
     fields = asdict(call)
     fields.pop("platform", None)
+    if fields.get("kv_dtype") is None:  # a plain call keeps the key tables wrote before it
+        fields.pop("kv_dtype", None)
     for name in BUCKETED:
         fields[name] = bucket(fields[name])
     fields["grad"] = grad

@@ -40,7 +40,9 @@ def visible(call: AttentionCall, ops: Operands) -> jax.Array:
 
 
 def dense_attention(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands) -> Any:
-    """q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` -> out (, lse).
+    """q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` -> out (, lse);
+    k and v quantized (``call.kv_dtype``) are read as ``value * scale``
+    (``ops.k_scales``, ``ops.v_scales`` ``[B, Tk, Hkv]``).
 
     Dropout multiplies the probabilities by ``keep / (1 - rate)`` with the whole
     keep-mask drawn at once (``attn_backends.authoring.dropout_keep``); lse is
@@ -48,6 +50,10 @@ def dense_attention(call: AttentionCall, q: Any, k: Any, v: Any, ops: Operands) 
     b, tq, hq, d = q.shape
     hkv, group = call.kv_heads, call.group
     wide = jnp.dtype(call.accumulation_dtype)
+    if call.kv_dtype is not None:  # quantized: the attention of value * scale
+        from attn_backends.authoring import dequantize
+
+        k, v = dequantize(k, ops.k_scales, wide), dequantize(v, ops.v_scales, wide)
     # Group query heads by the kv head they read (h = kv_head * group + g), so
     # K and V are never repeated.
     qg = q.astype(wide).reshape(b, tq, hkv, group, d)

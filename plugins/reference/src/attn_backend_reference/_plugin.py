@@ -29,10 +29,11 @@ class ReferenceBackend(Backend, PagedBackend):
     name = "reference"
     version = distribution_version("attn-backend-reference")
     # Every feature on every platform, every dtype (float64 included: it computes
-    # in call.accumulation_dtype) and head dim, with every gradient.
+    # in call.accumulation_dtype) and head dim, with every gradient; every
+    # quantized K and V (dequantized, forward only).
     capabilities = manifest(platforms=PLATFORMS, features=FEATURES, dtypes=CLAIMABLE_DTYPES,
                             bias_grad=True, differentiable=True, partitionable=True, check_vma=True,
-                            jax_versions=">=0.10")
+                            jax_versions=">=0.10", kv_dtypes=QUANTIZED_CACHE_DTYPES)
     priority = {"cpu": 0, "gpu": 0, "tpu": 0}
     # Any page size, head dim and batch shape; init_cache, write and the
     # canonical round trip are PagedBackend's canonical-layout defaults. Every

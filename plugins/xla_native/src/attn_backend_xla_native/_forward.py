@@ -56,6 +56,7 @@ def xla_native_forward(
     bias: Array | None,
     masks: Masks,
     seed: Array | None = None,
+    scales: tuple[Array, Array] | None = None,
 ) -> tuple[Array, Array]:
     """Blocked attention forward.
 
@@ -65,7 +66,11 @@ def xla_native_forward(
     tile is multiplied by ``q_scale`` as it is read. Returns out ``[B,
     Tq_pad, Hq, Dv]`` (q's dtype) and lse ``[B, Hq, Tq_pad]`` float32,
     ``-inf`` for rows that see no key. ``seed`` (``uint32[2]``, with
-    ``plan.dropout_rate``) draws each tile's dropout keep bits.
+    ``plan.dropout_rate``) draws each tile's dropout keep bits. ``scales``:
+    a quantized K and V's (``call.kv_dtype``), K's ``[n_kv, B, Hkv, 1,
+    block_kv]`` as k is laid out and V's ``[B, Tk_pad, Hkv, 1]``: each key
+    block is dequantized (value * scale, float32) as it is read, never the
+    whole K or V at once.
 
     q and v tiles are moved into tile layout inside the loop and each
     output tile is written straight back to the caller's layout: no
@@ -79,10 +84,16 @@ def xla_native_forward(
         q_tile = q_block(plan, q, qi)
         if q_scale != 1.0:
             q_tile = (q_tile * jnp.asarray(q_scale, q.dtype)).astype(q.dtype)
+        if scales is not None:  # products with the dequantized float32 tiles
+            q_tile = q_tile.astype(plan.acc)
 
         def body(kj: Array, carry: tuple, positional: bool) -> tuple:
             k_tile = lax.dynamic_index_in_dim(k, kj, keepdims=False)
             v_tile = kv_block(plan, v, kj)
+            if scales is not None:
+                k_tile = k_tile.astype(plan.acc) * lax.dynamic_index_in_dim(
+                    scales[0], kj, keepdims=False)
+                v_tile = v_tile.astype(plan.acc) * kv_block(plan, scales[1], kj)
             s, _ = logits(plan, q_tile, k_tile, bias, qi, kj)
             vis = visibility(plan, masks, qi, kj, positional)
             dropped = None

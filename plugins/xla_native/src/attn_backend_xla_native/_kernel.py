@@ -44,21 +44,26 @@ def blockwise_attention(
     dtype) and lse ``[B, Hq, Tq]`` float32, differentiable in q, k, v, bias.
 
     Calls with a few query positions go to the decode path, which has no
-    blocks (nor dropout: dropout calls stay on the blocks); ``blocks`` serve
-    the rest."""
-    if decode_suits(call) and not call.dropout_rate:
+    blocks (nor dropout, nor a quantized K and V: those calls stay on the
+    blocks); ``blocks`` serve the rest. A quantized K and V (``call.kv_dtype``,
+    their scales in ``operands``) run the forward alone."""
+    if decode_suits(call) and not call.dropout_rate and call.kv_dtype is None:
         from ._decode import decode_attention
 
         return decode_attention(call, q, k, v, operands)
     plan = Plan.of(call, blocks)
     masks = prepare_masks(plan, operands)
-    bwd_plan = Plan.of(call, blocks.backward())
-    bwd_masks = masks if bwd_plan == plan else prepare_masks(bwd_plan, operands)
     seed = None
     if call.dropout_rate:
         from attn_backends.authoring import dropout_seed
 
         seed = dropout_seed(operands.dropout_key)
+    if call.kv_dtype is not None:  # quantized K, V: forward only (core guards gradients)
+        scales = (kv_to_blocks(plan, operands.k_scales[..., None]).swapaxes(-1, -2),
+                  pad_axis(operands.v_scales[..., None], 1, plan.n_kv * plan.block_kv))
+        return _forward(plan, q, k, v, operands.bias, masks, seed, scales)
+    bwd_plan = Plan.of(call, blocks.backward())
+    bwd_masks = masks if bwd_plan == plan else prepare_masks(bwd_plan, operands)
     return _attention(plan, bwd_plan, q, k, v, operands.bias, masks, bwd_masks, seed)
 
 
@@ -94,6 +99,18 @@ def _attention_fwd(
     bwd_masks: Masks,
     seed: Array | None,
 ) -> tuple[tuple[Array, Array], tuple]:
+    out, lse = _forward(plan, q, k, v, bias, masks, seed)
+    # Only the caller's arrays, the output and lse are kept: the backward
+    # pass may use other blocks and builds its own layouts.
+    residuals = (q, k, v, bias, bwd_masks, seed, out, lse)
+    return (out, lse), residuals
+
+
+def _forward(plan: Plan, q: Array, k: Array, v: Array, bias: Array | None, masks: Masks,
+             seed: Array | None, scales: tuple[Array, Array] | None = None
+             ) -> tuple[Array, Array]:
+    """out ``[B, Tq, Hq, Dv]`` and lse ``[B, Hq, Tq]`` of the caller's arrays
+    (``xla_native_forward``'s ``scales`` for a quantized K and V)."""
     # K is kept transposed, [n_kv, B, Hkv, D, block_kv], so q.k is a plain NN
     # matmul in every tile. q and the output stay in the caller's layout.
     k_t = kv_to_blocks(plan, k).swapaxes(-1, -2)
@@ -101,12 +118,8 @@ def _attention_fwd(
     bias_p = None if bias is None else pairwise_to_padded(plan, bias, 0)
     folded, q_scale = _fold_scale(plan)
     q_p = pad_axis(q, 1, plan.n_q * plan.block_q)
-    out, lse = _forward_jit(folded, q_scale, q_p, k_t, v_p, bias_p, masks, seed)
-    out, lse = out[:, : plan.q_len], lse[..., : plan.q_len]
-    # Only the caller's arrays, the output and lse are kept: the backward
-    # pass may use other blocks and builds its own layouts.
-    residuals = (q, k, v, bias, bwd_masks, seed, out, lse)
-    return (out, lse), residuals
+    out, lse = _forward_jit(folded, q_scale, q_p, k_t, v_p, bias_p, masks, seed, scales)
+    return out[:, : plan.q_len], lse[..., : plan.q_len]
 
 
 def _fold_scale(plan: Plan) -> tuple[Plan, float]:

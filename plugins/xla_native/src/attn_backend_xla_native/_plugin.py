@@ -56,6 +56,8 @@ class XlaNativeBackend(Backend, HeadsFirstPagedBackend):
         bias_grad=True, differentiable=True, deterministic=True, partitionable=True,
         check_vma=True,
         interpret=False,
+        # Quantized K and V: each key block dequantized in the loop, forward only.
+        kv_dtypes=QUANTIZED_CACHE_DTYPES,
     )
     priority = {"cpu": 50, "gpu": 50, "tpu": 50}
     hlo_marker = "xla_native_forward"

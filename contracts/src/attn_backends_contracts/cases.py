@@ -343,8 +343,11 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
         chosen += [replace(case, dtype=dtype) for family in sorted(EVERY_DTYPE)
                    for case in tables[family] if case.quick or not quick]
     if tiles:
+        # The quantized family's twins: its quick case's (one per kv dtype), which
+        # crosses the small tiles with GQA, causal and lse (CI time).
         twins = [c for c in chosen if c.dtype == primary and c.family not in NO_TILES
-                 and (not quick or (c.family, c.name) in QUICK_TILES)]
+                 and (not quick or (c.family, c.name) in QUICK_TILES)
+                 and (c.family != "quantized" or c.quick)]
         chosen += [replace(c, tiles=True) for c in twins + wide]
     chosen += wide
     out = []

@@ -156,6 +156,15 @@ class Engine:
                  last_rows: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
         """rows ``[T]`` -> (the greedy token after each sequence's last row ``[max_seqs]``,
         the caches with every row's K and V written)."""
+        hidden, written = self._decode(params, caches, tokens, positions, slots, batch)
+        logits = logits_of(params, hidden[last_rows])
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), written
+
+    def _decode(self, params: dict[str, Any], caches: tuple[Any, ...], tokens: jax.Array,
+                positions: jax.Array, slots: jax.Array, batch: attn_backends.PagedBatch,
+                ) -> tuple[jax.Array, tuple[Any, ...]]:
+        """rows ``[T]`` -> (the decoder's last hidden states ``[T, E]``, the caches with
+        every row's K and V written: each layer writes its rows, then attends)."""
         written = list(caches)
 
         def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -164,8 +173,7 @@ class Engine:
             return paged(q, written[layer], batch)
 
         hidden = decoder(params, self.cfg, tokens, positions, attend)
-        logits = logits_of(params, hidden[last_rows])
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), tuple(written)
+        return hidden, tuple(written)
 
     def _score(self, params: dict[str, Any], caches: tuple[Any, ...], tokens: jax.Array,
                positions: jax.Array, slots: jax.Array, batch: attn_backends.PagedBatch,
@@ -174,14 +182,7 @@ class Engine:
         ``targets[t]`` after row t ``[T]`` float32, the caches with the rows written).
         The head runs 64 rows at a time: a chunk's logits at once would be its rows
         x 262,144 floats."""
-        written = list(caches)
-
-        def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            paged = self.paged[window_of(self.cfg, layer)]
-            written[layer] = paged.write(written[layer], k, v, slots)
-            return paged(q, written[layer], batch)
-
-        hidden = decoder(params, self.cfg, tokens, positions, attend)
+        hidden, written = self._decode(params, caches, tokens, positions, slots, batch)
 
         def block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
             rows, want = args
@@ -189,7 +190,7 @@ class Engine:
             return jnp.take_along_axis(logp, want[:, None], axis=-1)[:, 0]
 
         blocks = (hidden.reshape(-1, 64, hidden.shape[-1]), targets.reshape(-1, 64))
-        return jax.lax.map(block, blocks).reshape(-1), tuple(written)
+        return jax.lax.map(block, blocks).reshape(-1), written
 
     def log_probs(self, ids: Sequence[int]) -> np.ndarray:
         """``log p(ids[t + 1] | ids[: t + 1])`` for every t, float64 ``[len(ids) - 1]``:

@@ -6,7 +6,10 @@ adds: the visibility mapping (``_masks``), zeros for rows that see no key
 (tokamax gives them the mean of V), float16 computed in float32 when lowering
 for cpu (tokamax asks ``dot_general`` for the ``F16_F16_F32`` algorithm, which
 XLA:CPU rejects), and the implementation, passed explicitly
-(``implementation=``), never tokamax's choice by default device.
+(``implementation=``), never tokamax's choice by default device. A quantized K
+and V (``call.kv_dtype``) go to tokamax as qwix ``QArray``s: the values and
+their per-position scales broadcast over the head dim (tokamax's own int8
+tests quantize with ``channelwise_axes=(0, 1, 2)``, this layout).
 """
 
 from __future__ import annotations
@@ -58,7 +61,11 @@ def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
         q = jnp.pad(q, ((0, 0), (0, tq - call.q_len), (0, 0), (0, 0)))
         k, v = (jnp.pad(x, ((0, 0), (0, tk - call.kv_len), (0, 0), (0, 0))) for x in (k, v))
     if call.platform == "cpu" and call.dtype == "float16":
-        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        q = q.astype(jnp.float32)
+        if call.kv_dtype is None:
+            k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+    if call.kv_dtype is not None:
+        k, v = _quantized(k, v, operands, tk - call.kv_len)
     out = tokamax.dot_product_attention(
         q, k, v,
         bias=operands.bias,
@@ -77,3 +84,16 @@ def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
         # zero gradients, as the contract says.
         out = jnp.where(seen.rows.transpose(0, 2, 1, 3), out, jnp.zeros((), out.dtype))
     return out
+
+
+def _quantized(k: Any, v: Any, operands: Operands, pad: int) -> tuple[Any, Any]:
+    """k and v (values ``[B, Tk + pad, Hkv, D]``) as qwix ``QArray``s with their
+    scales ``[B, Tk, Hkv]`` (padded with 0) as ``[B, Tk + pad, Hkv, 1]``."""
+    import jax.numpy as jnp
+    import qwix
+
+    def one(x: Any, scales: Any) -> Any:
+        scales = jnp.pad(scales, ((0, 0), (0, pad), (0, 0)))[..., None]
+        return qwix.QArray(qvalue=x, scale=scales, qtype=x.dtype)
+
+    return one(k, operands.k_scales), one(v, operands.v_scales)

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 import attn_backends
-from attn_backends import AttentionCall, Backend, HeadDims, Operands
+from attn_backends import QUANTIZED_CACHE_DTYPES, AttentionCall, Backend, HeadDims, Operands
 from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
 
 from . import _jax_lines as jax_lines
@@ -35,6 +35,9 @@ XLA_MANIFEST = manifest(
     # (tests/multidevice/test_multidevice_anywhere.py, the suite's shard_map test).
     check_vma=True,
     jax_versions=">=0.10,<0.13",
+    # Quantized K and V as qwix QArrays, which tokamax's XLA implementations
+    # dequantize whole before attending (quantization.as_array): forward only.
+    kv_dtypes=QUANTIZED_CACHE_DTYPES,
 )
 
 #: The chunk length ``tile_small_options`` gives ``tokamax_xla_chunked``.
@@ -215,8 +218,9 @@ class TokamaxMosaicTpuBackend(TokamaxBackend):
 #: Lowered, not run, here: nothing here has a GPU, and tokamax's kernel cannot
 #: run in Pallas' interpreter (README).
 # check_vma not claimed: never traced inside a check_vma shard_map here (no GPU).
+# No quantized K and V on the GPU kernels: not certified here (no GPU).
 TRITON_MANIFEST = dataclasses.replace(XLA_MANIFEST, platforms=frozenset({"gpu"}),
-                                      check_vma=False)
+                                      check_vma=False, kv_dtypes=frozenset())
 
 
 class TokamaxTritonBackend(TokamaxBackend):

@@ -184,3 +184,26 @@ def test_tune_refuses_to_time_the_backward_of_a_quantized_call(registry: ab.Regi
                      "--kv-dtype", "int8", "--both"]) == 2
     assert ("--kv-dtype int8: attention over a quantized K and V is forward only; tune it "
             "without --grad or --both") in capsys.readouterr().err
+
+
+def test_the_probe_judges_a_quantized_call_on_the_dequantized_values() -> None:
+    # Two fakes claiming int8 K and V: one forgets the scales (ranked first), one
+    # reads value * scale. The probe, on its own quantized inputs, passes over
+    # the first with the oracle's reason and serves the second.
+    from _support import Plugin, dense, make_backend
+
+    def reads(call, q, k, v, ops, scaled=True):
+        k, v = (x.astype(jnp.float32) * (s[..., None] if scaled else 1.0)
+                for x, s in ((k, ops.k_scales), (v, ops.v_scales)))
+        return dense(call, q, k, v, ops)
+
+    forgets = make_backend("forgets", priority=95, kv_dtypes={"int8"},
+                           attend=lambda *a: reads(*a, scaled=False))
+    good = make_backend("good", priority=90, kv_dtypes={"int8"}, attend=reads)
+    registry = ab.Registry(plugins=[Plugin(forgets, good)], autoload=False)
+    q, k, v, ks, vs = _arrays()
+    with pytest.warns(ab.FallbackWarning, match="served by 'good', passing over forgets: "
+                                                "probe: out differs from the float64 oracle"):
+        out = registry.get(device="cpu")(q, k, v, k_scales=ks, v_scales=vs, causal=True)
+    want, _ = attention(q, _dequantized(k, ks), _dequantized(v, vs), causal=True)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=0)

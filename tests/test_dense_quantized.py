@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attn_backends.oracle import attention, quantize_rows
+from attn_backends.oracle import attention, dequantize_rows, quantize_rows
 
 B, T, HQ, HKV, D = 2, 40, 4, 2, 16
 
@@ -36,10 +36,6 @@ def _arrays(kv_dtype: str = "int8", seed: int = 0) -> tuple[np.ndarray, ...]:
     k, ks = quantize_rows(rng.standard_normal((B, T, HKV, D)) * 3, kv_dtype)
     v, vs = quantize_rows(rng.standard_normal((B, T, HKV, D)), kv_dtype)
     return q, k, v, ks, vs
-
-
-def _dequantized(x: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    return x.astype(np.float64) * scales.astype(np.float64)[..., None]
 
 
 def test_bad_scales_and_unquantized_calls_are_named() -> None:
@@ -92,7 +88,7 @@ def test_selection_passes_over_a_backend_reading_none_and_the_answer_is_the_orac
                                       kv_lengths=a[5]))(q, k, v, ks, vs, lengths)
     assert any(issubclass(w.category, ab.FallbackWarning) and "native_cpu" in str(w.message)
                for w in caught)
-    want, _ = attention(q, _dequantized(k, ks), _dequantized(v, vs), causal=True,
+    want, _ = attention(q, dequantize_rows(k, ks), dequantize_rows(v, vs), causal=True,
                         kv_lengths=lengths)
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=0)
     with pytest.raises(ab.UnsupportedError, match="kv dtype"):
@@ -118,7 +114,7 @@ def test_the_bhtd_layout_takes_the_same_scales(registry: ab.Registry) -> None:
     bhtd = registry.get(device="cpu", backend="xla_native", layout="BHTD")
     out = bhtd(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), k_scales=ks, v_scales=vs,
                window=(5, 3))
-    want, _ = attention(q, _dequantized(k, ks), _dequantized(v, vs), window=(5, 3))
+    want, _ = attention(q, dequantize_rows(k, ks), dequantize_rows(v, vs), window=(5, 3))
     np.testing.assert_allclose(np.asarray(out).transpose(0, 2, 1, 3), want, atol=2e-5, rtol=0)
 
 
@@ -205,5 +201,5 @@ def test_the_probe_judges_a_quantized_call_on_the_dequantized_values() -> None:
     with pytest.warns(ab.FallbackWarning, match="served by 'good', passing over forgets: "
                                                 "probe: out differs from the float64 oracle"):
         out = registry.get(device="cpu")(q, k, v, k_scales=ks, v_scales=vs, causal=True)
-    want, _ = attention(q, _dequantized(k, ks), _dequantized(v, vs), causal=True)
+    want, _ = attention(q, dequantize_rows(k, ks), dequantize_rows(v, vs), causal=True)
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=0)

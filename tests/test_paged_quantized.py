@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from attn_backends.authoring import quantize
 from attn_backends.oracle import paged_case
-from attn_backends.probe.paged_inputs import half_step, quantize_rows
+from attn_backends.probe.paged_inputs import dequantize_rows, half_step, quantize_rows
 
 CALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype="float32")
 QUANTIZED = ab.QUANTIZED_CACHE_DTYPES
@@ -40,7 +40,7 @@ def test_the_quantizer_equals_an_independent_numpy_one(cache_dtype: str) -> None
     np.testing.assert_allclose(scales, want_scales, rtol=2.5e-7, atol=0)
     differ = values.astype(np.float64) != want_values.astype(np.float64)
     assert differ.mean() < 0.01, f"{differ.sum()} of {differ.size} values differ"
-    err = np.abs(values.astype(np.float64) * scales[..., None] - x)
+    err = np.abs(dequantize_rows(values, scales) - x)
     assert np.all(err <= half_step(values, cache_dtype) * scales[..., None]
                   + 1e-6 * np.abs(x))
 

@@ -126,12 +126,11 @@ def make_inputs(case: Case) -> dict[str, Any]:
         kwargs["dropout_key"] = np.array([0, zlib.crc32(case.name.encode())], np.uint32)
     (q, q64), (k, k64), (v, v64) = (_cast(x, case.dtype) for x in (q, k, v))
     if case.kv_dtype is not None:  # by the contract's rule; the oracle reads value * scale
-        from attn_backends.oracle import quantize_rows
+        from attn_backends.oracle import dequantize_rows, quantize_rows
 
         (k, kwargs["k_scales"]), (v, kwargs["v_scales"]) = (
             quantize_rows(x, case.kv_dtype) for x in (k64, v64))
-        k64, v64 = (x.astype(np.float64) * kwargs[f"{n}_scales"].astype(np.float64)[..., None]
-                    for n, x in (("k", k), ("v", v)))
+        k64, v64 = (dequantize_rows(x, kwargs[f"{n}_scales"]) for n, x in (("k", k), ("v", v)))
     d_out, d_out64 = _cast(rng.standard_normal((b, tq, hq, dv)), case.dtype)
     d_lse = (0.5 * rng.standard_normal((b, hq, tq))).astype(
         np.float64 if wide(case.dtype) else np.float32)

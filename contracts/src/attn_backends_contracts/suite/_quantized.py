@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from attn_backends.oracle import dequantize_rows
 from attn_backends.probe.paged_inputs import QUANTIZED_LARGEST, half_step
 
 
@@ -92,7 +93,7 @@ def check_quantized_write(paged: Any, batch: Any, case_id: str) -> None:
             assert got_v.min() >= -127 and got_v.max() <= 127, (
                 f"{what}: int8 values must lie in [-127, 127], got [{got_v.min():g}, "
                 f"{got_v.max():g}]")
-        err = np.abs(got_v * got_s[..., None] - x)[finite]
+        err = np.abs(dequantize_rows(got_v, got_s) - x)[finite]
         bound = (half_step(values[batch.slots], cache_dtype) * got_s[..., None])[finite]
         # The division x / scale is rounded to float32 before values are rounded.
         slack = 1e-6 * np.abs(x[finite]) + 1e-30

@@ -6,8 +6,9 @@ float64, written for clarity over speed: every quantity is dense
 backends against it, and :func:`magnitudes` gives the scale each compared
 element is judged at. The paged oracle (:func:`paged_attention`) and the ragged
 batches the paged probe and suite judge it on (:func:`paged_case`, :class:`PagedCase`)
-are public here too, as is the NumPy quantizer of the quantized K and V they
-are judged on (:func:`quantize_rows`).
+are public here too, as are the NumPy quantizer of the quantized K and V they
+are judged on (:func:`quantize_rows`) and the exact float64 dequantization the
+oracle reads them by (:func:`dequantize_rows`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from .paged_inputs import PagedCase, paged_case, quantize_rows
+from .paged_inputs import PagedCase, dequantize_rows, paged_case, quantize_rows
 from .paged_oracle import paged_attention
 
-__all__ = ["PagedCase", "attention", "attention_vjp", "magnitudes", "paged_attention",
-           "paged_case", "quantize_rows", "visibility"]
+__all__ = ["PagedCase", "attention", "attention_vjp", "dequantize_rows", "magnitudes",
+           "paged_attention", "paged_case", "quantize_rows", "visibility"]
 
 
 def _f64(x: Any) -> np.ndarray:

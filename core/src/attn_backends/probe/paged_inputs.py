@@ -6,6 +6,8 @@ tests, so all three judge a backend on batches built one way.
 NumPy only; a :class:`PagedCase` holds the canonical view (K and V ``[num_pages,
 page_size, Hkv, D]``) and the batch's arrays, and :meth:`PagedCase.expected` is the
 float64 oracle's answer on it (:func:`attn_backends.oracle.paged_attention`).
+:func:`quantize_rows` and :func:`dequantize_rows` are the NumPy quantizer and its
+exact inverse map (value * scale) that every quantized judgement reads.
 """
 
 from __future__ import annotations
@@ -61,13 +63,13 @@ class PagedCase:
     def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
         """K and V ``[num_pages, page_size, Hkv, D]`` in float64: a quantized case's
         values times their scales, exactly (docs/DESIGN.md, "Quantized caches")."""
-        k, v = (np.asarray(x).astype(np.float64) for x in (self.k_pages, self.v_pages))
         if self.k_scales is None:
+            k, v = (np.asarray(x).astype(np.float64) for x in (self.k_pages, self.v_pages))
             return k, v
         # Garbage slots hold Inf scales times 0 values: NaN there, as intended.
         with np.errstate(invalid="ignore"):
-            return (k * np.asarray(self.k_scales, np.float64)[..., None],
-                    v * np.asarray(self.v_scales, np.float64)[..., None])
+            return (dequantize_rows(self.k_pages, self.k_scales),
+                    dequantize_rows(self.v_pages, self.v_scales))
 
     @property
     def page_size(self) -> int:
@@ -189,6 +191,21 @@ def quantize_rows(x: np.ndarray, cache_dtype: str) -> tuple[np.ndarray, np.ndarr
     if cache_dtype == "int8":
         ratio = np.rint(ratio)
     return ratio.astype(np.dtype(cache_dtype)), scales
+
+
+def dequantize_rows(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The float64 values ``[..., D]`` that quantized ``values`` ``[..., D]`` (int8,
+    float8_e4m3fn or float8_e5m2) with float32 ``scales`` ``[...]`` (one per row:
+    ``values.shape[:-1]``) stand for: ``value * scale``, in NumPy, exactly (every
+    int8 or float8 value and every float32 scale is a float64, and so is their
+    product), the K and V the oracle judges a quantized call on."""
+    import ml_dtypes  # noqa: F401 - registers the float8 dtypes with NumPy
+
+    values, scales = np.asarray(values), np.asarray(scales)
+    if scales.shape != values.shape[:-1]:
+        raise ValueError(f"dequantize_rows: scales must have shape values.shape[:-1] = "
+                         f"{list(values.shape[:-1])}, got {list(scales.shape)}")
+    return values.astype(np.float64) * scales.astype(np.float64)[..., None]
 
 
 #: Mantissa bits of each float8 format: a value's spacing is ``2**(e - bits)``.

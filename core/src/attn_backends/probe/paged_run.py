@@ -25,7 +25,7 @@ import numpy as np
 from ..contract.call import WIDE_DTYPES
 from ..contract.environment import local_device
 from ..contract.paged import PagedBackend, PagedCall
-from .paged_inputs import QUANTIZED_LARGEST, PagedCase, half_step, paged_case
+from .paged_inputs import QUANTIZED_LARGEST, PagedCase, dequantize_rows, half_step, paged_case
 from .tolerances import compare, tolerance
 
 #: Padding tokens given to ``write``, at these (negative) slots.
@@ -105,7 +105,7 @@ def _write_reasons(call: PagedCall, case: PagedCase, pools: Any, tokens: tuple[A
             values = np.asarray(values).reshape(-1, call.kv_heads, call.head_dim)[new]
             scales = np.asarray(scales).reshape(-1, call.kv_heads)[new].astype(np.float64)
             x = np.asarray(x[: new.size]).astype(np.float64)
-            err = np.abs(values.astype(np.float64) * scales[..., None] - x)
+            err = np.abs(dequantize_rows(values, scales) - x)
             bound = half_step(values, call.cache_dtype) * scales[..., None] + 1e-6 * np.abs(x)
             # The rule's scale, max|x| / largest: a larger one keeps every element
             # within its (coarser) half step, and so does the oracle reading it.

@@ -84,8 +84,7 @@ def _oracle_results(
                   **ops)
     q, k, v, d_out = data["q"], data["k"], data["v"], data["d_out"]
     if call.kv_dtype is not None:  # the oracle reads the dequantized K and V, exactly
-        k, v = (x.astype(np.float64) * s.astype(np.float64)[..., None]
-                for x, s in zip((k, v), scales, strict=True))
+        k, v = (oracle.dequantize_rows(x, s) for x, s in zip((k, v), scales, strict=True))
     out, lse = oracle.attention(q, k, v, **kwargs)
     want: dict[str, Any] = {"out": out}
     if call.return_lse:

@@ -105,6 +105,20 @@ def test_tiles_twins_and_long_cases() -> None:
     assert not any(c.tiles for c in cases_for(caps, tiles=False))
 
 
+def test_quantized_twins_are_those_of_quantized_tiles() -> None:
+    from attn_backends import FEATURES, QUANTIZED_CACHE_DTYPES, Capabilities
+    from attn_backends_contracts.cases import QUANTIZED, QUANTIZED_TILES
+
+    assert QUANTIZED_TILES <= {c.name for c in QUANTIZED}  # a typo would drop twins
+    caps = Capabilities(platforms={"cpu"}, dtypes={"float32", "bfloat16"},
+                        kv_dtypes=set(QUANTIZED_CACHE_DTYPES), **{f: True for f in FEATURES},
+                        bias_grad=True, differentiable=True)
+    twins = [c for c in cases_for(caps) if c.family == "quantized" and c.tiles]
+    assert sorted((c.name, c.dtype, c.kv_dtype) for c in twins) == sorted(
+        (n, "float32", kv) for n in QUANTIZED_TILES for kv in QUANTIZED_CACHE_DTYPES)
+    assert not any(c.family == "quantized" and c.tiles for c in cases_for(caps, quick=True))
+
+
 def test_suite_runs_tiles_twins_under_the_backends_small_tile_options() -> None:
     from attn_backend_reference import ReferenceBackend
     from attn_backends_contracts._session import Suite

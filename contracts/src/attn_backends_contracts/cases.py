@@ -262,6 +262,11 @@ NO_TILES = frozenset({"long", "head_dims"})
 #: The ``tiles`` twins kept by ``quick`` ((family, name)).
 QUICK_TILES = (("shapes", "q17k17"), ("causal", "q7k19"), ("gqa", "h4kv2"),
                ("combined", "all"))
+#: The :data:`QUANTIZED` cases (names) that get a ``tiles`` twin (one per kv
+#: dtype, in the primary dtype; none with ``quick``, which keeps only
+#: :data:`QUICK_TILES`): the quick case alone, which crosses the small tiles
+#: with GQA, causal and lse (CI time).
+QUANTIZED_TILES = frozenset({"dense-causal-gqa"})
 
 #: Candidate head dims for the ``head_dims`` family when the manifest sets no list.
 HEAD_DIM_CANDIDATES = (8, 32, 64, 128, 256)
@@ -311,7 +316,8 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
     tiles twins. A case that names a head dim the manifest rejects
     runs at the base head dim instead. With ``tiles``,
     each primary-dtype case outside :data:`NO_TILES` (with ``quick``: those of
-    :data:`QUICK_TILES`) also gets a ``tiles=True`` twin; the suite drops the
+    :data:`QUICK_TILES`; of the quantized family, those of
+    :data:`QUANTIZED_TILES`) also gets a ``tiles=True`` twin; the suite drops the
     twins of a backend whose ``tile_small_options`` returns None. Cases whose
     features are not all claimed are dropped; ``lse=True`` cases ask for lse
     only when ``return_lse`` is claimed.
@@ -343,11 +349,9 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
         chosen += [replace(case, dtype=dtype) for family in sorted(EVERY_DTYPE)
                    for case in tables[family] if case.quick or not quick]
     if tiles:
-        # The quantized family's twins: its quick case's (one per kv dtype), which
-        # crosses the small tiles with GQA, causal and lse (CI time).
         twins = [c for c in chosen if c.dtype == primary and c.family not in NO_TILES
                  and (not quick or (c.family, c.name) in QUICK_TILES)
-                 and (c.family != "quantized" or c.quick)]
+                 and (c.family != "quantized" or c.name in QUANTIZED_TILES)]
         chosen += [replace(c, tiles=True) for c in twins + wide]
     chosen += wide
     out = []

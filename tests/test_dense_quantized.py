@@ -172,14 +172,22 @@ def test_xla_native_never_holds_a_dequantized_copy_of_k_or_v(registry: ab.Regist
 
 
 def test_tune_refuses_to_time_the_backward_of_a_quantized_call(registry: ab.Registry,
-                                                                 monkeypatch, capsys) -> None:
+                                                                 monkeypatch, capsys,
+                                                                 tmp_path) -> None:
     from attn_backends.cli import main as cli
 
     monkeypatch.setattr(cli, "_registry", lambda: registry)
-    assert cli.main(["tune", "--device", "cpu", "--q", "1,16,4,16", "--kv", "1,16,2,16",
-                     "--kv-dtype", "int8", "--both"]) == 2
-    assert ("--kv-dtype int8: attention over a quantized K and V is forward only; tune it "
-            "without --grad or --both") in capsys.readouterr().err
+    refused = ("attention over a quantized K and V is forward only; tune it without --grad "
+               "or --both")
+    for flag in ("--both", "--grad"):
+        assert cli.main(["tune", "--device", "cpu", "--q", "1,16,4,16", "--kv", "1,16,2,16",
+                         "--kv-dtype", "int8", flag]) == 2
+        assert f"--kv-dtype int8: {refused}" in capsys.readouterr().err
+    calls = tmp_path / "calls.txt"
+    calls.write_text("--q 1,16,4,16 --kv 1,16,2,16 --kv-dtype int8\n"
+                     "--q 1,16,4,16 --kv 1,16,2,16 --kv-dtype float8_e5m2 --grad\n")
+    assert cli.main(["tune", "--device", "cpu", "--from", str(calls)]) == 2
+    assert f"{calls}:2: --kv-dtype float8_e5m2: {refused}" in capsys.readouterr().err
 
 
 def test_the_probe_judges_a_quantized_call_on_the_dequantized_values() -> None:

@@ -3,7 +3,10 @@
 ``python tests/random_calls.py --calls 3000`` runs the soak: thousands of
 random calls through the registry with one persistent cache, each result
 checked against the oracle; it prints every quarantine and every wrong
-answer, and exits non-zero if there is either.
+answer, and exits non-zero if there is either. Some of the calls (about
+:data:`QUANTIZED_SHARE` of the signatures :func:`draw_many` draws) read a
+quantized K and V (int8 mostly, float8 sometimes) with their float32 scales:
+forward only, checked against the oracle on the dequantized values.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ import numpy as np
 from attn_backends import oracle, tolerances
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: The quantized K and V dtypes a signature may draw, and how often each.
+KV_DTYPES = (("int8", 0.5), ("float8_e4m3fn", 0.25), ("float8_e5m2", 0.25))
+#: The share of :func:`draw_many`'s signatures with a quantized K and V.
+QUANTIZED_SHARE = 0.25
 #: Lengths up to this are a shape class of their own in a probe verdict.
 SHORT = 16
 #: Keyword arguments that are Python values, not arrays (static under jit).
@@ -29,7 +36,9 @@ STATIC = ("causal", "window", "softcap", "return_lse")
 @dataclasses.dataclass
 class RandomCall:
     """One call: float32 NumPy q ``[B,Tq,Hq,D]``, k, v ``[B,Tk,Hkv,D]``, the kwargs, and
-    whether its gradients are checked too."""
+    whether its gradients are checked too. With ``kv_dtype``, k and v hold that
+    dtype's values and the kwargs their float32 scales ``[B,Tk,Hkv]`` (k_scales,
+    v_scales); such a call is forward only."""
 
     dtype: str
     q: np.ndarray
@@ -38,10 +47,13 @@ class RandomCall:
     kwargs: dict[str, Any]
     grad: bool
     d_out: np.ndarray
+    kv_dtype: str | None = None
 
     def describe(self) -> str:
-        flags = ",".join(f"{k}" for k, v in self.kwargs.items() if v is not None and v is not False)
-        return (f"q{list(self.q.shape)} kv{list(self.k.shape)} {self.dtype} {flags}"
+        flags = ",".join(f"{k}" for k, v in self.kwargs.items()
+                         if v is not None and v is not False and not k.endswith("_scales"))
+        kv = f" kv={self.kv_dtype}" if self.kv_dtype else ""
+        return (f"q{list(self.q.shape)} kv{list(self.k.shape)} {self.dtype}{kv} {flags}"
                 f"{' +grad' if self.grad else ''}")
 
 
@@ -68,12 +80,16 @@ class Signature:
     softcap: float | None
     mask_shape: tuple[bool, bool]  # (batch broadcast, head broadcast)
     bias_shape: tuple[bool, bool]
+    kv_dtype: str | None = None  # a quantized K and V's dtype
 
 
-def signature(rng: np.random.Generator, heads: tuple[int, int] | None = None) -> Signature:
+def signature(rng: np.random.Generator, heads: tuple[int, int] | None = None,
+              quantized_share: float = 0.0) -> Signature:
     """A random signature using each feature of the contract about a third of the time.
 
-    ``heads``: (Hq, Hkv) to use instead of random ones.
+    ``heads``: (Hq, Hkv) to use instead of random ones. ``quantized_share``: how
+    often K and V are quantized (a :data:`KV_DTYPES` dtype); at 0 no number is
+    drawn for it, so the rest of the draw is what it was without it.
     """
     hkv = int(rng.choice([1, 2]))
     hq = hkv * int(rng.choice([1, 2, 4]))
@@ -91,6 +107,8 @@ def signature(rng: np.random.Generator, heads: tuple[int, int] | None = None) ->
         softcap=float(rng.choice([5.0, 30.0])) if "softcap" in features else None,
         mask_shape=(bool(rng.random() < 0.5), bool(rng.random() < 0.5)),
         bias_shape=(bool(rng.random() < 0.5), bool(rng.random() < 0.5)),
+        kv_dtype=(str(rng.choice([n for n, _ in KV_DTYPES], p=[p for _, p in KV_DTYPES]))
+                  if quantized_share and rng.random() < quantized_share else None),
     )
 
 
@@ -131,18 +149,24 @@ def draw(rng: np.random.Generator, grad_share: float = 0.3, heads: tuple[int, in
     if sig.softcap is not None:
         kw["softcap"] = sig.softcap
     normal = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
-    return RandomCall(sig.dtype, normal(b, tq, hq, d), normal(b, tk, hkv, d), normal(b, tk, hkv, d),
-                      kw, bool(rng.random() < grad_share), normal(b, tq, hq, d))
+    q, k, v = normal(b, tq, hq, d), normal(b, tk, hkv, d), normal(b, tk, hkv, d)
+    grad = bool(rng.random() < grad_share)
+    if sig.kv_dtype is not None:  # by the contract's rule; forward only
+        (k, kw["k_scales"]), (v, kw["v_scales"]) = (
+            oracle.quantize_rows(x, sig.kv_dtype) for x in (k, v))
+        grad = False
+    return RandomCall(sig.dtype, q, k, v, kw, grad, normal(b, tq, hq, d), sig.kv_dtype)
 
 
-def draw_many(rng: np.random.Generator, calls: int, per_signature: int) -> list[RandomCall]:
+def draw_many(rng: np.random.Generator, calls: int, per_signature: int,
+              quantized_share: float = QUANTIZED_SHARE) -> list[RandomCall]:
     """``calls`` random calls, ``per_signature`` of each random signature, as a
     model makes them: new values in the same shapes (one compiled program),
     and the last of each signature at other long lengths (one verdict serves
-    it too)."""
+    it too); about ``quantized_share`` of the signatures with a quantized K and V."""
     out: list[RandomCall] = []
     while len(out) < calls:
-        sig = signature(rng)
+        sig = signature(rng, quantized_share=quantized_share)
         same = _long_lengths(rng, sig)
         count = min(per_signature, calls - len(out))
         out += [draw(rng, sig=sig, lengths=same if i < count - 1 else None) for i in range(count)]
@@ -197,12 +221,20 @@ def _program(attention: Any, static: tuple, grad: bool) -> Any:
 
 def run_one(attention: Any, rc: RandomCall) -> list[str]:
     """Run ``rc`` through ``attention`` and compare with the oracle; returns what differs."""
-    q, k, v = (jnp.asarray(x, rc.dtype) for x in (rc.q, rc.k, rc.v))
+    q = jnp.asarray(rc.q, rc.dtype)
     kw = _jax_kwargs(rc)
-    # The oracle sees exactly the rounded inputs the backend sees.
-    qf, kf, vf = (np.asarray(x, np.float64) for x in (q, k, v))
+    # The oracle sees exactly the rounded inputs the backend sees; a quantized
+    # K and V as value * scale, exactly.
+    if rc.kv_dtype is None:
+        k, v = (jnp.asarray(x, rc.dtype) for x in (rc.k, rc.v))
+        kf, vf = (np.asarray(x, np.float64) for x in (k, v))
+    else:
+        k, v = jnp.asarray(rc.k), jnp.asarray(rc.v)
+        kf, vf = (oracle.dequantize_rows(x, rc.kwargs[f"{n}_scales"])
+                  for n, x in (("k", rc.k), ("v", rc.v)))
+    qf = np.asarray(q, np.float64)
     okw = {n: (np.asarray(kw[n], np.float64) if n == "bias" else rc.kwargs[n])
-           for n in rc.kwargs if n != "return_lse"}
+           for n in rc.kwargs if n not in ("return_lse", "k_scales", "v_scales")}
     d_out = np.asarray(jnp.asarray(rc.d_out, rc.dtype), np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         want_out, want_lse = oracle.attention(qf, kf, vf, **okw)

@@ -1,8 +1,9 @@
 """Random calls through the registry with one persistent probe cache, as a user lives with it.
 
 Hundreds of random calls (every feature, Tq and Tk from 1 up, lengths down to
-0 and 1, GQA, every dtype) share one cache directory across two processes;
-each result is checked against the float64 oracle, and no correct backend may
+0 and 1, GQA, every dtype; some with a quantized K and V, forward only) share
+one cache directory across two processes; each result is checked against the
+float64 oracle (a quantized K and V dequantized), and no correct backend may
 end up quarantined (test_random_calls_mutants.py runs broken backends
 through the same loop). ``python tests/random_calls.py --calls 3000`` is the
 long version.
@@ -41,8 +42,13 @@ def test_random_calls_share_one_cache_and_no_correct_backend_is_quarantined(
     shared_cache, monkeypatch
 ):
     monkeypatch.setenv("ATTN_BACKENDS_CACHE_DIR", str(shared_cache))
+    calls = random_calls.draw_many(np.random.default_rng(0), CALLS, PER_SIGNATURE)
+    # Some read a quantized K and V (seed 0: int8 and float8_e4m3fn, in bfloat16).
+    assert {rc.kv_dtype for rc in calls} > {None}
+    # The caller's PYTHONPATH kept after the tests' folder (a checkout run from it).
+    path = [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "ATTN_BACKENDS_CACHE_DIR": str(shared_cache),
-           "PYTHONPATH": str(Path(__file__).parent)}
+           "PYTHONPATH": os.pathsep.join(path)}
     # A second process draws other calls into the same cache at the same time.
     other = subprocess.Popen(
         [sys.executable, str(Path(__file__).parent / "random_calls.py"), "--calls", str(CALLS),
@@ -50,7 +56,7 @@ def test_random_calls_share_one_cache_and_no_correct_backend_is_quarantined(
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     attention = ab.Registry().get(device="cpu", fallback="silent")
     wrong = []
-    for i, rc in enumerate(random_calls.draw_many(np.random.default_rng(0), CALLS, PER_SIGNATURE)):
+    for i, rc in enumerate(calls):
         problems = random_calls.run_one(attention, rc)
         if problems:
             wrong.append(f"#{i} {rc.describe()}: {problems}")

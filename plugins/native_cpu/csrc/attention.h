@@ -84,11 +84,15 @@ ATTN_NATIVE_CPU_KERNELS
 namespace isa_v3 {
 ATTN_NATIVE_CPU_KERNELS
 }  // namespace isa_v3
-// x86-64-v4 with AVX512_BF16 (bf16_forward.cc): the dense bfloat16 forward by
-// bfloat16 products; every other call goes to isa_v3's.
+// x86-64-v4 with AVX512_BF16: the dense bfloat16 forward by bfloat16 products
+// (bf16_forward.cc), and the paged forward (decode.cc), whose decode tiles of
+// bfloat16 queries over a quantized cache take bfloat16 products
+// (bf16_decode.h); every other call goes to isa_v3's.
 namespace isa_avx512_bf16 {
 void Forward(const Params& p, DType dtype, const void* q, const void* k, const void* v,
              void* out, float* lse, const ParallelFor& parallel_for);
+void PagedForward(const Params& p, const PagedArgs& a, DType dtype, const void* q,
+                  const void* k, const void* v, void* out, const ParallelFor& parallel_for);
 }  // namespace isa_avx512_bf16
 ATTN_NATIVE_CPU_KERNELS
 

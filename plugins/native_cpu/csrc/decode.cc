@@ -73,19 +73,19 @@ void DecodeSplit(const Params& p, DType dtype, const ViewOf& view_of, int64_t lo
     // The next block's K rows, then its V rows: two runs in address order
     // (measured faster than K and V alternating, and than blocks of 16 or 128).
     const int64_t next = std::max<int64_t>(0, std::min(hi, j0 + nk + kDecodeBlock) - j0 - nk);
-    row_start.Each(j0 + nk, next, s.head_dim, [&](int64_t, int64_t at) {
-      ahead.Add(static_cast<const char*>(k) + at * elem, k_bytes);
+    row_start.Runs(j0 + nk, next, s.head_dim, [&](int64_t, int64_t n, int64_t at) {
+      ahead.Add(static_cast<const char*>(k) + at * elem, n * k_bytes);
     });
-    row_start.Each(j0 + nk, next, s.v_head_dim, [&](int64_t, int64_t at) {
-      ahead.Add(static_cast<const char*>(v) + at * elem, v_bytes);
+    row_start.Runs(j0 + nk, next, s.v_head_dim, [&](int64_t, int64_t n, int64_t at) {
+      ahead.Add(static_cast<const char*>(v) + at * elem, n * v_bytes);
     });
     // A quantized cache's scales of those keys, every kv head's (index = the
     // position's run of heads, width 1): waited for in a fifth of a step's
     // samples when left to the hardware (perf, int8).
     for (const float* scales : {view_of(0).k_scales(), view_of(0).v_scales()}) {
       if (scales == nullptr) continue;
-      row_start.Each(j0 + nk, next, 1, [&](int64_t, int64_t at) {
-        ahead.Add(scales + at, s.kv_heads * sizeof(float));
+      row_start.Runs(j0 + nk, next, 1, [&](int64_t, int64_t n, int64_t at) {
+        ahead.Add(scales + at, n * s.kv_heads * sizeof(float));
       });
     }
     const int64_t per_head = (ahead.Lines() + s.kv_heads - 1) / s.kv_heads;

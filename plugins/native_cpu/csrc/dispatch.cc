@@ -1,6 +1,7 @@
-// Picks the kernels for this CPU once: the dense bfloat16 forward by
-// bfloat16 products where the library has them (ATTN_NATIVE_CPU_HAVE_AVX512_BF16)
-// and the CPU has AVX512_BF16; x86-64-v3 (AVX2 + FMA) where built
+// Picks the kernels for this CPU once: the dense bfloat16 forward and the
+// decode tiles over a quantized cache by bfloat16 products where the library
+// has them (ATTN_NATIVE_CPU_HAVE_AVX512_BF16) and the CPU has AVX512_BF16 (the
+// decode tiles AVX512_VBMI too); x86-64-v3 (AVX2 + FMA) where built
 // (ATTN_NATIVE_CPU_HAVE_V3) and the CPU has them; else the baseline build. All
 // compute the same contract; their roundings differ (FMA; bfloat16 weights),
 // so one process always uses one of them. ATTN_NATIVE_CPU_ISA caps the choice
@@ -91,6 +92,13 @@ void Backward(const Params& p, DType dtype, const void* q, const void* k, const 
 void PagedForward(const Params& p, const PagedArgs& a, DType dtype, const void* q,
                   const void* k, const void* v, void* out, const ParallelFor& parallel_for) {
   OneBlasThread();
+#if defined(ATTN_NATIVE_CPU_HAVE_AVX512_BF16)
+  // Its decode tiles widen bytes by AVX512_VBMI's permutes (CMakeLists.txt).
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  if (Chosen() == Isa::kAvx512Bf16 && vbmi) {
+    return isa_avx512_bf16::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
+  }
+#endif
 #if defined(ATTN_NATIVE_CPU_HAVE_V3)
   if (Chosen() >= Isa::kV3) return isa_v3::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
 #endif

@@ -1,14 +1,25 @@
-// Tiles of query rows and where their keys are: the contract's visibility
-// rules, the dense and paged key layouts, and the online softmax of one tile
-// over blocks of keys (TileState), shared by the dense forward
-// (attention.cc) and the decode and paged paths (decode.cc).
+// Tiles of query rows: the contract's visibility rules, the rows' views of
+// the dense and paged calls (their keys' layouts: key_rows.h), and the online
+// softmax of one tile over blocks of keys (TileState), shared by the dense
+// forward (attention.cc) and the decode and paged paths (decode.cc).
 #pragma once
 
-#include "kernel_math.h"
+#include "key_rows.h"
+#if defined(__AVX512BF16__)
+#include "bf16_decode.h"
+#endif
 
 namespace attn_native_cpu {
 namespace ATTN_ISA {
 namespace {
+
+// Whether this build's dot tiles over a quantized cache take bf16_decode.h's
+// products (bfloat16 queries only).
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Decode = true;
+#else
+constexpr bool kBf16Decode = false;
+#endif
 
 // The visible keys [lo, hi) of query position i in batch row b (lo >= hi: none).
 struct Range {
@@ -35,60 +46,6 @@ inline int64_t PositionsPerItem(const Shape& s) {
   return std::max<int64_t>(1, kRowsPerItem / group);
 }
 
-// Where key j of kv head g of batch row b starts in K (or V), width values a row.
-// Keys types: f(jj, offset) for keys j0 + jj, jj < nk, in order.
-struct DenseKeys {
-  const Shape& s;
-  int64_t b, g;
-  template <class F>
-  void Each(int64_t j0, int64_t nk, int64_t width, const F& f) const {
-    const int64_t start = ((b * s.kv_len + j0) * s.kv_heads + g) * width;
-    for (int64_t jj = 0; jj < nk; ++jj) f(jj, start + jj * s.kv_heads * width);
-  }
-};
-
-// Pointers rows[jj] to the rows of K (or V) block [j0, j0 + nk) where they
-// lie, T the element (float, or uint16_t for bfloat16's bits).
-template <class T, class Keys>
-void RowsInPlace(const void* src, int64_t width, const Keys& keys, int64_t j0, int64_t nk,
-                 const T** rows) {
-  keys.Each(j0, nk, width,
-            [&](int64_t jj, int64_t at) { rows[jj] = static_cast<const T*>(src) + at; });
-}
-
-// K (or V) block [j0, j0 + nk) as float32 row pointers `rows[jj]`, the rows
-// found by `keys` (DenseKeys, PagedKeys): float32 rows are read where they are
-// (no copy), bfloat16 ones widened into `scratch` [nk][width].
-template <class Keys>
-void KeyRows(DType dtype, const void* src, int64_t width, const Keys& keys, int64_t j0,
-             int64_t nk, float* scratch, const float** rows) {
-  if (dtype == DType::kF32) return RowsInPlace(src, width, keys, j0, nk, rows);
-  keys.Each(j0, nk, width, [&](int64_t jj, int64_t at) {
-    LoadRow(dtype, src, at, width, scratch + jj * width);
-    rows[jj] = scratch + jj * width;
-  });
-}
-
-// A quantized cache's K (or V) block [j0, j0 + nk) dequantized into `scratch`
-// [nk][width] (each row times its position's scale, `scales` indexed as the
-// rows are, one per width values), as float32 row pointers `rows[jj]`.
-template <class Keys>
-void DequantizedRows(CacheType cache, const void* src, const float* scales, int64_t width,
-                     const Keys& keys, int64_t j0, int64_t nk, float* scratch,
-                     const float** rows) {
-  keys.Each(j0, nk, width, [&](int64_t jj, int64_t at) {
-    DequantizeRow(cache, src, at, width, scales[at / width], scratch + jj * width);
-    rows[jj] = scratch + jj * width;
-  });
-}
-
-// cols[d][jj] = rows[jj][d]: a key block transposed [width][kBlockKeys], for
-// the GEMMs that take keys as columns.
-inline void TransposeRows(const float* const* rows, int64_t nk, int64_t width, float* cols) {
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    for (int64_t d = 0; d < width; ++d) cols[d * kBlockKeys + jj] = rows[jj][d];
-  }
-}
 
 // Softcap in place over a row's keys [a, e): s = cap * tanh(s / cap), keeping
 // tanh for the backward when tanh_out is given.
@@ -128,7 +85,10 @@ inline void SoftmaxStep(const Params& p, const Range& range, int64_t j0, int64_t
   ZeroOutside(sr, a, e, nk);
   *row_sum = *row_sum * alpha + sum;
   *row_max = new_max;
-  for (int64_t d = 0; d < vdims; ++d) acc[d] *= alpha;
+  // Most blocks leave a row's max as it was (alpha exactly 1).
+  if (alpha != 1.0f) {
+    for (int64_t d = 0; d < vdims; ++d) acc[d] *= alpha;
+  }
 }
 
 // The rows of an item: query head (g * group + hh) at position i0 + ii.
@@ -205,6 +165,12 @@ struct TileState {
   std::vector<const int8_t*> i8rows;   // a dot tile's quantized rows, read in place
   std::vector<const E4M3*> e4rows;
   std::vector<const E5M2*> e5rows;
+  // A dot tile of bfloat16 queries over a quantized cache, in the build with
+  // AVX512_BF16 (bf16_decode.h): q permuted as its products read it
+  // [m][dims rounded up to 64], and the block's rows as bytes.
+  bool bf16_products;
+  std::vector<uint16_t> qb;
+  std::vector<const uint8_t*> byte_rows;
   std::vector<Range> range;
   int64_t first = std::numeric_limits<int64_t>::max(), last = 0;  // the rows' visible keys
 
@@ -224,7 +190,10 @@ struct TileState {
         hrows(dot && type != DType::kF32 && cache == CacheType::kSame ? kBlockKeys : 0),
         i8rows(dot && cache == CacheType::kInt8 ? kBlockKeys : 0),
         e4rows(dot && cache == CacheType::kE4M3 ? kBlockKeys : 0),
-        e5rows(dot && cache == CacheType::kE5M2 ? kBlockKeys : 0), range(m) {
+        e5rows(dot && cache == CacheType::kE5M2 ? kBlockKeys : 0),
+        bf16_products(kBf16Decode && dot && cache != CacheType::kSame && type == DType::kBF16),
+        qb(bf16_products ? m * QueryWords() : 0), byte_rows(bf16_products ? kBlockKeys : 0),
+        range(m) {
     for (int64_t r = 0; r < m; ++r) {
       range[r] = view.range(r);
       if (range[r].lo < range[r].hi) {
@@ -233,15 +202,30 @@ struct TileState {
       }
       LoadRow(dtype, q, view.q_offset(r, dims), dims, qs.data() + r * dims);
       for (int64_t d = 0; d < dims; ++d) qs[r * dims + d] *= p.scale;
+#if defined(__AVX512BF16__)
+      if (bf16_products) {
+        PermuteQuery(static_cast<const uint16_t*>(q) + view.q_offset(r, dims), dims,
+                     qb.data() + r * QueryWords());
+      }
+#endif
     }
   }
+
+  int64_t QueryWords() const { return (dims + 63) / 64 * 64; }
 
   // Keys [j0, j0 + nk), nk <= kBlockKeys; `lines` prefetches of `ahead` (or
   // null) are issued along the way.
   void AddBlock(const void* k, const void* v, int64_t j0, int64_t nk, Prefetcher* ahead,
                 int64_t lines) {
     const auto keys = view.keys();
-    if (dot) {
+    if (bf16_products) {
+#if defined(__AVX512BF16__)
+      RowsInPlace(k, dims, keys, j0, nk, byte_rows.data());
+      QuantScores(cache, m, nk, dims, qb.data(), QueryWords(), byte_rows.data(), p.scale,
+                  sc.data(), kBlockKeys, ahead, lines);
+#endif
+      ScaleVisible(view.k_scales(), j0, nk);
+    } else if (dot) {
       InPlace(k, dims, j0, nk, [&](auto rows) {
         DotScores(m, nk, dims, qs.data(), rows, sc.data(), kBlockKeys, ahead, lines);
       });
@@ -273,6 +257,13 @@ struct TileState {
       // The weights of a quantized cache's keys times V's scales: acc gets
       // p * (value * scale), the sums above took p alone.
       if (cache != CacheType::kSame) ScaleVisible(view.v_scales(), j0, nk);
+#if defined(__AVX512BF16__)
+      if (bf16_products) {
+        RowsInPlace(v, vdims, keys, j0, nk, byte_rows.data());
+        return QuantWeightedSum(cache, m, nk, vdims, sc.data(), kBlockKeys, byte_rows.data(),
+                                acc.data(), vdims);
+      }
+#endif
       InPlace(v, vdims, j0, nk, [&](auto rows) {
         Gemm(m, vdims, nk, sc.data(), kBlockKeys, RowListOf(rows), acc.data(), vdims, true);
       });
@@ -356,30 +347,6 @@ void ForwardTile(const Params& p, DType dtype, const View& view, const void* q, 
   }
 }
 
-// Paged: key j of sequence seq lives in page table[seq][j / page_size] at
-// offset j % page_size of the canonical cache [num_pages, page_size, Hkv, D].
-// A page index outside the pool is clamped into it (never read out of bounds).
-struct PagedKeys {
-  const PagedArgs& a;
-  int64_t seq, g, kv_heads;
-  // One division per block, not per key: a block walks its pages in order.
-  template <class F>
-  void Each(int64_t j0, int64_t nk, int64_t width, const F& f) const {
-    int64_t slot = j0 / a.page_size, in_page = j0 % a.page_size, start = 0;
-    for (int64_t jj = 0; jj < nk; ++jj) {
-      if (jj == 0 || in_page == 0) {
-        int64_t page = a.page_table[seq * a.table_width + slot];
-        page = std::min<int64_t>(std::max<int64_t>(page, 0), a.num_pages - 1);
-        start = page * a.page_size;
-      }
-      f(jj, ((start + in_page) * kv_heads + g) * width);
-      if (++in_page == a.page_size) {
-        in_page = 0;
-        ++slot;
-      }
-    }
-  }
-};
 
 // Rows [t0, t0 + positions) of sequence seq (its rows start at `start`), every
 // query head of kv head g; q and out are [T, Hq, D].

@@ -152,11 +152,23 @@ struct V3 {
   static constexpr auto PagedForward = an::isa_v3::PagedForward;
   static constexpr const char* name = "x86-64-v3";
 };
-// The dense bfloat16 forward by bfloat16 products; x86-64-v3's everything else.
+// The paged forward whose decode tiles over a quantized cache take bfloat16
+// products, where the CPU has AVX512_VBMI too (as dispatch.cc picks it).
+void Avx512PagedForward(const an::Params& p, const an::PagedArgs& a, an::DType dtype,
+                        const void* q, const void* k, const void* v, void* out,
+                        const an::ParallelFor& parallel_for) {
+  if (__builtin_cpu_supports("avx512vbmi")) {
+    return an::isa_avx512_bf16::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
+  }
+  an::isa_v3::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
+}
+
+// The dense bfloat16 forward and the quantized decode tiles by bfloat16
+// products; x86-64-v3's everything else.
 struct Avx512Bf16 {
   static constexpr auto Forward = an::isa_avx512_bf16::Forward;
   static constexpr auto Backward = an::isa_v3::Backward;
-  static constexpr auto PagedForward = an::isa_v3::PagedForward;
+  static constexpr auto PagedForward = Avx512PagedForward;
   static constexpr const char* name = "avx512-bf16";
 };
 

@@ -15,22 +15,24 @@ import numpy as np
 import pytest
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("heads", [2, 16], ids=["decode-tile", "prefill-tile"])
 @pytest.mark.parametrize("cache_dtype", ab.QUANTIZED_CACHE_DTYPES)
-def test_every_byte_reads_as_its_format_says(cache_dtype: str, heads: int) -> None:
+def test_every_byte_reads_as_its_format_says(cache_dtype: str, heads: int, dtype: str) -> None:
     paged = ab.Registry(probe=None).get_paged(
         device="cpu", backend="native_cpu", num_q_heads=heads, num_kv_heads=1, head_dim=128,
-        page_size=1, dtype="float32", cache_dtype=cache_dtype)
-    dtype = np.dtype(getattr(ml_dtypes, cache_dtype, cache_dtype))
+        page_size=1, dtype=dtype, cache_dtype=cache_dtype)
+    stored = np.dtype(getattr(ml_dtypes, cache_dtype, cache_dtype))
     batch = ab.PagedBatch(jnp.asarray([0, 1], jnp.int32), jnp.asarray([1], jnp.int32),
                           jnp.zeros((1, 1), jnp.int32), jnp.int32(1))
-    q = jnp.ones((1, heads, 128), jnp.float32)
+    q = jnp.ones((1, heads, 128), dtype)
     for half in (0, 1):
-        row = np.arange(128 * half, 128 * (half + 1), dtype=np.uint8).view(dtype)
+        row = np.arange(128 * half, 128 * (half + 1), dtype=np.uint8).view(stored)
         values = jnp.asarray(row.reshape(1, 1, 1, 128))
         ones = jnp.ones((1, 1, 1), jnp.float32)
         cache = paged.from_canonical(jnp.zeros_like(values), values, ones, ones)
-        got = np.asarray(paged(q, cache, batch))
+        # Every int8 and float8 value is a bfloat16 value: exact in both dtypes.
+        got = np.asarray(paged(q, cache, batch).astype(jnp.float32))
         want = row.astype(np.float32)
         for h in range(heads):
             np.testing.assert_array_equal(got[0, h], want, err_msg=f"head {h}, bytes "

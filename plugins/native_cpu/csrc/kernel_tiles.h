@@ -159,16 +159,21 @@ struct TileState {
   // applies the scales to the scores (K's) and to the weights (V's); a GEMM
   // tile dequantizes each block into scratch.
   CacheType cache;
+  // A dot tile of bfloat16 queries over a quantized cache, in the build with
+  // AVX512_BF16 (bf16_decode.h): its scores read qb, not qs.
+  bool bf16_products;
   std::vector<float> qs, acc, row_max, row_sum, kt, sc, scratch, block_scales;
   std::vector<const float*> krows, vrows;
   std::vector<const uint16_t*> hrows;  // a dot tile's bfloat16 rows, read in place
   std::vector<const int8_t*> i8rows;   // a dot tile's quantized rows, read in place
   std::vector<const E4M3*> e4rows;
   std::vector<const E5M2*> e5rows;
-  // A dot tile of bfloat16 queries over a quantized cache, in the build with
-  // AVX512_BF16 (bf16_decode.h): q permuted as its products read it
-  // [m][dims rounded up to 64], and the block's rows as bytes.
-  bool bf16_products;
+  // A dot tile over a quantized cache: each key's run index (position * Hkv
+  // + kv head) in the block, found by one walk of its pages, whence its rows
+  // and scales.
+  std::vector<int64_t> slots;
+  // bf16_products': q permuted as its products read it [m][dims rounded up to
+  // 64], and the block's rows as bytes.
   std::vector<uint16_t> qb;
   std::vector<const uint8_t*> byte_rows;
   std::vector<Range> range;
@@ -176,7 +181,9 @@ struct TileState {
 
   TileState(const Params& params, DType type, const View& v, const void* q)
       : p(params), dtype(type), view(v), m(v.count()), dims(params.shape.head_dim),
-        vdims(params.shape.v_head_dim), dot(m <= kDotRows), cache(v.cache()), qs(m * dims),
+        vdims(params.shape.v_head_dim), dot(m <= kDotRows), cache(v.cache()),
+        bf16_products(kBf16Decode && dot && cache != CacheType::kSame && type == DType::kBF16),
+        qs(bf16_products ? 0 : m * dims),
         acc(m * vdims, 0.0f), row_max(m, kNegInf), row_sum(m, 0.0f),
         kt(dot || v.key_columns() != nullptr ? 0 : dims * kBlockKeys),
         sc(m * kBlockKeys),
@@ -191,7 +198,7 @@ struct TileState {
         i8rows(dot && cache == CacheType::kInt8 ? kBlockKeys : 0),
         e4rows(dot && cache == CacheType::kE4M3 ? kBlockKeys : 0),
         e5rows(dot && cache == CacheType::kE5M2 ? kBlockKeys : 0),
-        bf16_products(kBf16Decode && dot && cache != CacheType::kSame && type == DType::kBF16),
+        slots(dot && cache != CacheType::kSame ? kBlockKeys : 0),
         qb(bf16_products ? m * QueryWords() : 0), byte_rows(bf16_products ? kBlockKeys : 0),
         range(m) {
     for (int64_t r = 0; r < m; ++r) {
@@ -200,27 +207,38 @@ struct TileState {
         first = std::min(first, range[r].lo);
         last = std::max(last, range[r].hi);
       }
-      LoadRow(dtype, q, view.q_offset(r, dims), dims, qs.data() + r * dims);
-      for (int64_t d = 0; d < dims; ++d) qs[r * dims + d] *= p.scale;
 #if defined(__AVX512BF16__)
       if (bf16_products) {
         PermuteQuery(static_cast<const uint16_t*>(q) + view.q_offset(r, dims), dims,
                      qb.data() + r * QueryWords());
+        continue;
       }
 #endif
+      LoadRow(dtype, q, view.q_offset(r, dims), dims, qs.data() + r * dims);
+      for (int64_t d = 0; d < dims; ++d) qs[r * dims + d] *= p.scale;
     }
   }
 
   int64_t QueryWords() const { return (dims + 63) / 64 * 64; }
+
+  // byte_rows[jj]: the block's K (or V) rows of a quantized cache, by slots.
+  void BytesOfSlots(const void* src, int64_t width, int64_t nk) {
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      byte_rows[jj] = static_cast<const uint8_t*>(src) + slots[jj] * width;
+    }
+  }
 
   // Keys [j0, j0 + nk), nk <= kBlockKeys; `lines` prefetches of `ahead` (or
   // null) are issued along the way.
   void AddBlock(const void* k, const void* v, int64_t j0, int64_t nk, Prefetcher* ahead,
                 int64_t lines) {
     const auto keys = view.keys();
+    if (!slots.empty()) {
+      keys.Each(j0, nk, 1, [&](int64_t jj, int64_t at) { slots[jj] = at; });
+    }
     if (bf16_products) {
 #if defined(__AVX512BF16__)
-      RowsInPlace(k, dims, keys, j0, nk, byte_rows.data());
+      BytesOfSlots(k, dims, nk);
       QuantScores(cache, m, nk, dims, qb.data(), QueryWords(), byte_rows.data(), p.scale,
                   sc.data(), kBlockKeys, ahead, lines);
 #endif
@@ -259,7 +277,7 @@ struct TileState {
       if (cache != CacheType::kSame) ScaleVisible(view.v_scales(), j0, nk);
 #if defined(__AVX512BF16__)
       if (bf16_products) {
-        RowsInPlace(v, vdims, keys, j0, nk, byte_rows.data());
+        BytesOfSlots(v, vdims, nk);
         return QuantWeightedSum(cache, m, nk, vdims, sc.data(), kBlockKeys, byte_rows.data(),
                                 acc.data(), vdims);
       }
@@ -288,7 +306,7 @@ struct TileState {
   // page_size, Hkv]) over each row's visible keys only: a NaN scale (a
   // non-finite token) never reaches a row that does not see its key.
   void ScaleVisible(const float* scales, int64_t j0, int64_t nk) {
-    view.keys().Each(j0, nk, 1, [&](int64_t jj, int64_t at) { block_scales[jj] = scales[at]; });
+    for (int64_t jj = 0; jj < nk; ++jj) block_scales[jj] = scales[slots[jj]];
     for (int64_t r = 0; r < m; ++r) {
       int64_t a, e;
       BlockSpan(range[r], j0, nk, &a, &e);

@@ -4,7 +4,9 @@ scales 1, so each query head's output is exactly that V row dequantized; through
 a decode tile (2 query heads: values read in place, widened in registers) and a
 prefill tile (16 query heads per kv head: the block dequantized into scratch),
 against ml_dtypes' reading of the same bytes (NaN where it says NaN, and the
-float8 formats' subnormals, infinities and signed zeros)."""
+float8 formats' subnormals, infinities and signed zeros). Queries in float32
+and in bfloat16: a bfloat16 decode tile widens the bytes to bfloat16 by tables
+where the CPU has AVX512_BF16 and AVX512_VBMI (csrc/bf16_decode.h)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,15 @@ Run from the repo root in .venv (make install):
    whole cache (every position is live): its bytes are the cache's arrays'
    (values and scales). Bandwidth is those bytes over the step's median time,
    as a share of a jnp.sum's over a 256 MiB float32 array measured in the same
-   rounds (the read bandwidth this process gets). Rounds alternate the
-   contenders, so a busy machine slows all of them alike.
+   rounds (the read bandwidth this process gets; the table's heading gives
+   the spread of its rounds), and of the same jnp.sum run alone, 20 times back
+   to back (between the contenders it read about half as fast: on 2026-12-05
+   its rounds spread over 32-74 GB/s, alone 64-79). Rounds alternate the
+   contenders, so a busy machine slows all of them alike. native_cpu runs each step twice: over the
+   random pages, and with every page table cycling over 32 pages (rows
+   "native_cpu, pages in L2": the same keys' worth of arithmetic with its
+   bytes in L2), whose share is the most that overlapping the reads with the
+   arithmetic could reach.
 2. Gemma 3 270M (attn_gemma3, the PyPI package's GGUF): the perplexity of a
    fixed text (examples/gemma3/texts/python_execution_model.txt, 5,062 tokens:
    the Python 3.12.1 Language Reference's "Execution model" and "The import
@@ -49,6 +56,10 @@ FIXTURE = ROOT / "examples" / "gemma3" / "peer" / "transformers_fixture.json"
 CACHES = (("float32", None), ("bfloat16", None), ("bfloat16", "int8"),
           ("bfloat16", "float8_e4m3fn"), ("bfloat16", "float8_e5m2"))
 BUDGET = 256 << 20
+#: native_cpu's decode step again with each page table cycling over this many
+#: pages (K and V: 256 KiB in bfloat16, L2-resident), labelled HOT.
+HOT_PAGES = 32
+HOT = "native_cpu, pages in L2"
 
 
 def _cache(paged: Any, pages: int, rng: np.random.Generator) -> Any:
@@ -73,6 +84,10 @@ def decode_table(args: argparse.Namespace) -> list[dict[str, Any]]:
     table = jnp.asarray(rng.permutation(pages).reshape(seqs, keys // page).astype(np.int32))
     batch = attn_backends.PagedBatch(jnp.arange(seqs + 1, dtype=jnp.int32),
                                      jnp.full((seqs,), keys, jnp.int32), table, jnp.int32(seqs))
+    # The arithmetic's floor: every sequence's table cycling over HOT_PAGES
+    # pages, so a step reads its whole cache's worth of keys from L2.
+    hot = jnp.asarray((np.arange(pages) % HOT_PAGES).reshape(seqs, keys // page).astype(np.int32))
+    hot_batch = batch._replace(page_table=hot)
     registry = attn_backends.Registry(probe=None)
     runs, sizes = {}, {}
     for dtype, cache_dtype in CACHES:
@@ -83,12 +98,17 @@ def decode_table(args: argparse.Namespace) -> list[dict[str, Any]]:
             cache = _cache(paged, pages, rng)
             q = jnp.asarray(rng.normal(size=(seqs, hq, dim)).astype(np.float32)).astype(dtype)
             step = jax.jit(paged.__call__).lower(q, cache, batch).compile()
-            name = (backend, cache_dtype or dtype)
-            runs[name] = (lambda s=step, c=cache, q=q: s(q, c, batch))
-            sizes[name] = sum(a.nbytes for a in cache.arrays)
+            tables = {backend: batch}
+            if backend == "native_cpu":
+                tables[HOT] = hot_batch
+            for label, b in tables.items():
+                name = (label, cache_dtype or dtype)
+                runs[name] = (lambda s=step, c=cache, q=q, b=b: s(q, c, b))
+                sizes[name] = sum(a.nbytes for a in cache.arrays)
     probe = jnp.ones(BUDGET // 4, jnp.float32)
     total = jax.jit(jnp.sum).lower(probe).compile()
     runs[("probe", "jnp.sum")] = lambda: total(probe)
+    alone = _back_to_back(runs[("probe", "jnp.sum")], 10)
     times: dict[Any, list[float]] = {n: [] for n in runs}
     for _ in range(args.rounds):
         for name, run in runs.items():
@@ -96,8 +116,11 @@ def decode_table(args: argparse.Namespace) -> list[dict[str, Any]]:
             start = time.perf_counter()
             run().block_until_ready()
             times[name].append(time.perf_counter() - start)
+    alone = BUDGET / statistics.median(alone + _back_to_back(runs[("probe", "jnp.sum")], 10))
     med = {n: statistics.median(t) for n, t in times.items()}
     bandwidth = BUDGET / med[("probe", "jnp.sum")]
+    sums = times[("probe", "jnp.sum")]
+    spread = (BUDGET / max(sums), BUDGET / min(sums))
     rows = []
     for (backend, stored), seconds in med.items():
         if backend == "probe":
@@ -105,15 +128,33 @@ def decode_table(args: argparse.Namespace) -> list[dict[str, Any]]:
         rows.append({"backend": backend, "cache": stored, "ms": seconds * 1e3,
                      "bytes": sizes[(backend, stored)],
                      "share": sizes[(backend, stored)] / seconds / bandwidth,
+                     "share_alone": sizes[(backend, stored)] / seconds / alone,
                      "vs_bf16": seconds / med[(backend, "bfloat16")]})
     print(f"\nPaged decode: {seqs} sequences x {keys} keys, pages of {page}, {hq}/{hkv} heads, "
-          f"D {dim}; median of {args.rounds} rounds; jnp.sum reads {bandwidth / 1e9:.1f} GB/s")
-    print("\n| backend | cache | step ms | MiB read | GB/s | share of jnp.sum's | vs bfloat16 |")
-    print("|---|---|---|---|---|---|---|")
+          f"D {dim}; median of {args.rounds} rounds; jnp.sum reads {bandwidth / 1e9:.1f} GB/s "
+          f"(its rounds {spread[0] / 1e9:.1f}-{spread[1] / 1e9:.1f}), {alone / 1e9:.1f} GB/s "
+          f"alone (20 runs back to back, half before the rounds, half after). Rows '{HOT}': "
+          f"the same step, every table cycling over {HOT_PAGES} pages (read from L2): its share "
+          f"is the most any overlap of reading and arithmetic could reach")
+    print("\n| backend | cache | step ms | MiB read | GB/s | share of jnp.sum's | "
+          "share of jnp.sum's alone | vs bfloat16 |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['backend']} | {r['cache']} | {r['ms']:.2f} | {r['bytes'] / 2**20:.0f} "
-              f"| {r['bytes'] / r['ms'] / 1e6:.1f} | {r['share']:.0%} | {r['vs_bf16']:.2f}x |")
+              f"| {r['bytes'] / r['ms'] / 1e6:.1f} | {r['share']:.0%} | {r['share_alone']:.0%} "
+              f"| {r['vs_bf16']:.2f}x |")
     return rows
+
+
+def _back_to_back(run: Any, n: int) -> list[float]:
+    """Seconds of ``n`` runs of ``run`` one after another (after one untimed)."""
+    run().block_until_ready()
+    seconds = []
+    for _ in range(n):
+        start = time.perf_counter()
+        run().block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -14,9 +14,10 @@ Run from the repo root in .venv (make install):
    as a share of a jnp.sum's over a 256 MiB float32 array measured in the same
    rounds (the read bandwidth this process gets; the table's heading gives
    the spread of its rounds), and of the same jnp.sum run alone, 20 times back
-   to back (between the contenders it read about half as fast: on 2026-12-05
-   its rounds spread over 32-74 GB/s, alone 64-79). Rounds alternate the
-   contenders, so a busy machine slows all of them alike. native_cpu runs each step twice: over the
+   to back (on 2026-12-05 its rounds spread over 30-74 GB/s within one run,
+   and alone it read 36-60 GB/s from run to run, 64-79 in a process of its
+   own). Rounds alternate the contenders, so a busy machine slows all of them
+   alike. native_cpu runs each step twice: over the
    random pages, and with every page table cycling over 32 pages (rows
    "native_cpu, pages in L2": the same keys' worth of arithmetic with its
    bytes in L2), whose share is the most that overlapping the reads with the
@@ -57,7 +58,8 @@ CACHES = (("float32", None), ("bfloat16", None), ("bfloat16", "int8"),
           ("bfloat16", "float8_e4m3fn"), ("bfloat16", "float8_e5m2"))
 BUDGET = 256 << 20
 #: native_cpu's decode step again with each page table cycling over this many
-#: pages (K and V: 256 KiB in bfloat16, L2-resident), labelled HOT.
+#: pages (K and V: 512 KiB in bfloat16, 264 KiB quantized; this machine's L2
+#: holds 1 MiB a core), labelled HOT.
 HOT_PAGES = 32
 HOT = "native_cpu, pages in L2"
 

@@ -114,8 +114,10 @@ def test_quantized_twins_are_those_of_quantized_tiles() -> None:
                         kv_dtypes=set(QUANTIZED_CACHE_DTYPES), **{f: True for f in FEATURES},
                         bias_grad=True, differentiable=True)
     twins = [c for c in cases_for(caps) if c.family == "quantized" and c.tiles]
+    # Named here, not read from QUANTIZED_TILES: the one case whose twins the
+    # family runs (GQA causal, Tq != Tk, across the small tiles), per kv dtype.
     assert sorted((c.name, c.dtype, c.kv_dtype) for c in twins) == sorted(
-        (n, "float32", kv) for n in QUANTIZED_TILES for kv in QUANTIZED_CACHE_DTYPES)
+        ("dense-causal-gqa", "float32", kv) for kv in QUANTIZED_CACHE_DTYPES)
     assert not any(c.family == "quantized" and c.tiles for c in cases_for(caps, quick=True))
 
 

@@ -269,6 +269,9 @@ inline void QuantWeightedSum(CacheType cache, int64_t m, int64_t nk, int64_t vdi
                              const float* w, int64_t ldw, const uint8_t* const* rows, float* acc,
                              int64_t ldacc) {
   const __m512i pair_index = PairIndex();
+  // Whole 64-byte stores of 32 keys' weights below: the blocks are of whole
+  // 32s (kBlockKeys: ATTN_BK, 128 unless a build sets it).
+  static_assert(kBlockKeys % 32 == 0, "QuantWeightedSum stores 32 keys' weight pairs at a time");
   constexpr int64_t kPairs = kBlockKeys / 2;
   alignas(64) uint32_t wp[kDotRows][kPairs];
   for (int64_t r = 0; r < m; ++r) {

@@ -4,7 +4,10 @@
 // decode tiles AVX512_VBMI too); x86-64-v3 (AVX2 + FMA) where built
 // (ATTN_NATIVE_CPU_HAVE_V3) and the CPU has them; else the baseline build. All
 // compute the same contract; their roundings differ (FMA; bfloat16 weights),
-// so one process always uses one of them. ATTN_NATIVE_CPU_ISA caps the choice
+// so the choice is made once per process: a call's answer never depends on
+// which call came first. (The paged forward's choice can be below the dense
+// one's: on a CPU with AVX512_BF16 but no AVX512_VBMI, Cooper Lake, it keeps
+// x86-64-v3's.) ATTN_NATIVE_CPU_ISA caps the choice
 // (its values are checked where the library loads, _library.py).
 #include <cblas.h>
 

@@ -46,7 +46,6 @@ inline int64_t PositionsPerItem(const Shape& s) {
   return std::max<int64_t>(1, kRowsPerItem / group);
 }
 
-
 // Softcap in place over a row's keys [a, e): s = cap * tanh(s / cap), keeping
 // tanh for the backward when tanh_out is given.
 inline void Softcap(const Params& p, int64_t a, int64_t e, float* s, float* tanh_out) {
@@ -221,11 +220,11 @@ struct TileState {
 
   int64_t QueryWords() const { return (dims + 63) / 64 * 64; }
 
-  // byte_rows[jj]: the block's K (or V) rows of a quantized cache, by slots.
-  void BytesOfSlots(const void* src, int64_t width, int64_t nk) {
-    for (int64_t jj = 0; jj < nk; ++jj) {
-      byte_rows[jj] = static_cast<const uint8_t*>(src) + slots[jj] * width;
-    }
+  // rows[jj]: the block's K (or V) rows of a quantized cache (one byte an
+  // element), by slots.
+  template <class T>
+  void RowsOfSlots(const void* src, int64_t width, int64_t nk, const T** rows) const {
+    for (int64_t jj = 0; jj < nk; ++jj) rows[jj] = static_cast<const T*>(src) + slots[jj] * width;
   }
 
   // Keys [j0, j0 + nk), nk <= kBlockKeys; `lines` prefetches of `ahead` (or
@@ -238,7 +237,7 @@ struct TileState {
     }
     if (bf16_products) {
 #if defined(__AVX512BF16__)
-      BytesOfSlots(k, dims, nk);
+      RowsOfSlots(k, dims, nk, byte_rows.data());
       QuantScores(cache, m, nk, dims, qb.data(), QueryWords(), byte_rows.data(), p.scale,
                   sc.data(), kBlockKeys, ahead, lines);
 #endif
@@ -277,7 +276,7 @@ struct TileState {
       if (cache != CacheType::kSame) ScaleVisible(view.v_scales(), j0, nk);
 #if defined(__AVX512BF16__)
       if (bf16_products) {
-        BytesOfSlots(v, vdims, nk);
+        RowsOfSlots(v, vdims, nk, byte_rows.data());
         return QuantWeightedSum(cache, m, nk, vdims, sc.data(), kBlockKeys, byte_rows.data(),
                                 acc.data(), vdims);
       }
@@ -316,19 +315,19 @@ struct TileState {
   }
 
   // f(rows): the rows of K or V block [j0, j0 + nk) where they lie: a
-  // quantized cache's values (int8_t, E4M3, E5M2), else float32 or bfloat16
-  // (uint16_t) by the call's dtype.
+  // quantized cache's values (int8_t, E4M3, E5M2; by slots, which AddBlock
+  // filled), else float32 or bfloat16 (uint16_t) by the call's dtype.
   template <class F>
   void InPlace(const void* src, int64_t width, int64_t j0, int64_t nk, const F& f) {
     switch (cache) {
       case CacheType::kInt8:
-        RowsInPlace(src, width, view.keys(), j0, nk, i8rows.data());
+        RowsOfSlots(src, width, nk, i8rows.data());
         return f(i8rows.data());
       case CacheType::kE4M3:
-        RowsInPlace(src, width, view.keys(), j0, nk, e4rows.data());
+        RowsOfSlots(src, width, nk, e4rows.data());
         return f(e4rows.data());
       case CacheType::kE5M2:
-        RowsInPlace(src, width, view.keys(), j0, nk, e5rows.data());
+        RowsOfSlots(src, width, nk, e5rows.data());
         return f(e5rows.data());
       case CacheType::kSame:
         break;
@@ -364,7 +363,6 @@ void ForwardTile(const Params& p, DType dtype, const View& view, const void* q, 
                     t.row_max[r], t.row_sum[r], lse == nullptr ? nullptr : lse + view.lse_index(r));
   }
 }
-
 
 // Rows [t0, t0 + positions) of sequence seq (its rows start at `start`), every
 // query head of kv head g; q and out are [T, Hq, D].

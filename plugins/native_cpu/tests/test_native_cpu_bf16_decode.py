@@ -13,6 +13,11 @@ dims past a multiple of 64 (K's bytes) and of 32 (V's), softcap and a window.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import attn_backends as ab
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +26,11 @@ from attn_backends.oracle import paged_case
 from attn_backends.tolerances import compare, tolerance
 
 # (q_len, kv_len) per sequence: decode steps of 1 and 2 rows over 1,100 keys
-# (three splits), an odd block (33), a single key; a chunk of 5 (tiles) beside them.
-SEQS = [(1, 1100), (2, 700), (1, 33), (1, 1), (5, 90)]
+# (three splits), an odd block (33), a single key; beside them a chunk of 5
+# (a GEMM tile where 5 x group > 8 rows, else a decode item) and one of 65
+# whose last tile holds 1 or 2 positions (4, 6 or 1 rows: a dot tile by
+# bfloat16 products over blocks of 128 keys, the weights' pairs past key 32).
+SEQS = [(1, 1100), (2, 700), (1, 33), (1, 1), (5, 90), (65, 300)]
 SHAPES = [pytest.param(8, 2, 128, {}, id="gqa4-d128"),
           pytest.param(6, 2, 80, {"softcap": 20.0}, id="gqa3-d80-softcap"),
           pytest.param(2, 2, 72, {"window": (40, None)}, id="mha-d72-window")]
@@ -45,3 +53,38 @@ def test_bfloat16_decode_over_a_quantized_cache_matches_the_oracle(
     want = case.expected(**call)[:rows]
     wrong = compare("out", got[:rows], want, tolerance("bfloat16", "out", platform="cpu"))
     assert wrong is None, f"{cache_dtype} hq={hq} hkv={hkv} d={d} {call}: {wrong}"
+
+
+# The features the decode tiles by bfloat16 products need (dispatch.cc).
+BF16_DECODE = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi"}
+_STEP = """
+import sys
+import attn_backends as ab, jax.numpy as jnp, numpy as np
+from attn_backends.oracle import paged_case
+case = paged_case([(1, 300), (2, 70)], page_size=16, hq=8, hkv=2, d=128, seed=5,
+                  cache_dtype="int8")
+paged = ab.Registry(probe=None).get_paged(
+    device="cpu", backend="native_cpu", num_q_heads=8, num_kv_heads=2, head_dim=128,
+    page_size=16, dtype="bfloat16", cache_dtype="int8")
+cache = paged.from_canonical(*(jnp.asarray(x) for x in case.canonical()))
+out = paged(jnp.asarray(case.q, jnp.bfloat16), cache, case.batch())
+sys.stdout.write(np.asarray(out.astype(jnp.float32)).tobytes().hex())
+"""
+
+
+def _step_under(cap: str) -> str:
+    env = {**os.environ, "ATTN_NATIVE_CPU_ISA": cap}
+    return subprocess.run([sys.executable, "-c", _STEP], env=env, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def test_the_tiles_by_bfloat16_products_run_where_the_cpu_has_them() -> None:
+    """A decode step over an int8 cache rounds its weights to bfloat16 in the
+    tiles by bfloat16 products, not in x86-64-v3's: uncapped (avx512-bf16) and
+    capped at x86-64-v3 its bits differ where the CPU has the features, and are
+    the same where it does not (both run x86-64-v3's tiles)."""
+    flags = next((set(line.split(":", 1)[1].split())
+                  for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), set())
+    differ = _step_under("avx512-bf16") != _step_under("x86-64-v3")
+    assert differ == (BF16_DECODE <= flags), f"bits differ: {differ}; CPU flags: {sorted(flags)}"

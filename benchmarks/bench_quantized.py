@@ -17,7 +17,8 @@ Run from the repo root in .venv (make install):
    to back (on 2026-12-05 its rounds spread over 30-74 GB/s within one run,
    and alone it read 36-60 GB/s from run to run, 64-79 in a process of its
    own). Rounds alternate the contenders, so a busy machine slows all of them
-   alike. native_cpu runs each step twice: over the
+   alike; each contender runs WARM_RUNS times untimed before its timed run, so
+   that none is timed in the wake of the one before it. native_cpu runs each step twice: over the
    random pages, and with every page table cycling over 32 pages (rows
    "native_cpu, pages in L2": the same keys' worth of arithmetic with its
    bytes in L2), whose share is the most that overlapping the reads with the
@@ -62,6 +63,11 @@ BUDGET = 256 << 20
 #: holds 1 MiB a core), labelled HOT.
 HOT_PAGES = 32
 HOT = "native_cpu, pages in L2"
+#: Untimed runs of each contender before its timed one, every round: a
+#: native_cpu step right after xla_native's float8 step (100 ms) ran 1.6-1.9x
+#: slower for its next 3-5 runs (2026-12-05: 5.1-6.5 ms against 3.3-3.6 ms
+#: with 1 or 3 untimed runs, 3.37 against 3.34 with 6).
+WARM_RUNS = 6
 
 
 def _cache(paged: Any, pages: int, rng: np.random.Generator) -> Any:
@@ -114,7 +120,8 @@ def decode_table(args: argparse.Namespace) -> list[dict[str, Any]]:
     times: dict[Any, list[float]] = {n: [] for n in runs}
     for _ in range(args.rounds):
         for name, run in runs.items():
-            run().block_until_ready()  # warm, then timed
+            for _ in range(WARM_RUNS):  # warm, then timed
+                run().block_until_ready()
             start = time.perf_counter()
             run().block_until_ready()
             times[name].append(time.perf_counter() - start)

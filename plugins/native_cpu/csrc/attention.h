@@ -100,4 +100,9 @@ ATTN_NATIVE_CPU_KERNELS
 // "x86-64-v3" or "baseline" (dispatch.cc).
 const char* KernelIsa();
 
+// Whether this CPU runs isa_avx512_bf16::PagedForward where it runs its
+// Forward: AVX512_VBMI besides, for the byte tables of its decode tiles (the
+// dispatch's test, dispatch.cc).
+bool Avx512PagedSupported();
+
 }  // namespace attn_native_cpu

@@ -93,17 +93,6 @@ struct Widener {
   }
 };
 
-// f(std::integral_constant<int, n>) for a tile's n = 1..4 rows.
-template <class F>
-inline void ForRowCount(int64_t n, const F& f) {
-  switch (n) {
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    default: return f(std::integral_constant<int, 1>{});
-  }
-}
-
 // f(widener) with the widener of `cache`'s bytes.
 template <class F>
 inline void WithWidener(CacheType cache, const F& f) {
@@ -174,36 +163,20 @@ inline void QuantDotTile(const W& wd, int64_t j, int64_t dims, const uint16_t* q
   for (int i = 0; i < R * J; ++i) s[(i / J) * lds + j + i % J] = sums[i] * scale;
 }
 
-template <int R, class W>
-inline void QuantDotRows(const W& wd, int64_t nk, int64_t dims, const uint16_t* q,
-                         int64_t ldq, const uint8_t* const* keys, float scale, float* s,
-                         int64_t lds, Prefetcher* ahead, int64_t per_tile) {
-  constexpr int J = 16 / R;
-  int64_t j = 0;
-  for (; j + J <= nk; j += J) {
-    if (ahead != nullptr) ahead->Step(per_tile);
-    QuantDotTile<R, J>(wd, j, dims, q, ldq, keys, scale, s, lds);
-  }
-  for (; j < nk; ++j) QuantDotTile<R, 1>(wd, j, dims, q, ldq, keys, scale, s, lds);
-}
+// Keys per tile of R rows: R x J accumulators fill 16 registers, one LaneSums16.
+constexpr int QuantKeys(int rows) { return 16 / rows; }
 
-// Scores s[r][jj] = scale * (q[r] . keys[jj]), r < m, jj < nk: QuantDotRows
-// over groups of up to 4 rows; `lines` more prefetches of `ahead` (or null)
-// spread over the tiles, as DotScores.
+// Scores s[r][jj] = scale * (q[r] . keys[jj]), r < m, jj < nk: QuantDotTile
+// over DotTiles' tiles; `lines` more prefetches of `ahead` (or null) spread
+// over the tiles, as DotScores.
 inline void QuantScores(CacheType cache, int64_t m, int64_t nk, int64_t dims, const uint16_t* q,
                         int64_t ldq, const uint8_t* const* keys, float scale, float* s,
                         int64_t lds, Prefetcher* ahead, int64_t lines) {
-  int64_t tiles = 0;
-  for (int64_t r = 0; r < m; r += 4) tiles += nk / (16 / std::min<int64_t>(4, m - r));
-  const int64_t per_tile = (lines + std::max<int64_t>(1, tiles) - 1) / std::max<int64_t>(1, tiles);
   WithWidener(cache, [&](const auto& wd) {
-    for (int64_t r = 0; r < m; r += 4) {
-      const auto rows = [&](auto count) {
-        QuantDotRows<decltype(count)::value>(wd, nk, dims, q + r * ldq, ldq, keys, scale,
-                                             s + r * lds, lds, ahead, per_tile);
-      };
-      ForRowCount(std::min<int64_t>(4, m - r), rows);
-    }
+    DotTiles<QuantKeys>(m, nk, ahead, lines, [&](auto rows, auto keys_per, int64_t r, int64_t j) {
+      QuantDotTile<decltype(rows)::value, decltype(keys_per)::value>(
+          wd, j, dims, q + r * ldq, ldq, keys, scale, s + r * lds, lds);
+    });
   });
 }
 

@@ -66,6 +66,12 @@ void OneBlasThread() {
 
 const char* KernelIsa() { return kIsaNames[static_cast<int>(Chosen())]; }
 
+bool Avx512PagedSupported() {
+  // Its decode tiles widen bytes by AVX512_VBMI's permutes (CMakeLists.txt).
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  return vbmi;
+}
+
 void Forward(const Params& p, DType dtype, const void* q, const void* k, const void* v,
              void* out, float* lse, const ParallelFor& parallel_for) {
   OneBlasThread();
@@ -96,9 +102,7 @@ void PagedForward(const Params& p, const PagedArgs& a, DType dtype, const void* 
                   const void* k, const void* v, void* out, const ParallelFor& parallel_for) {
   OneBlasThread();
 #if defined(ATTN_NATIVE_CPU_HAVE_AVX512_BF16)
-  // Its decode tiles widen bytes by AVX512_VBMI's permutes (CMakeLists.txt).
-  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
-  if (Chosen() == Isa::kAvx512Bf16 && vbmi) {
+  if (Chosen() == Isa::kAvx512Bf16 && Avx512PagedSupported()) {
     return isa_avx512_bf16::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
   }
 #endif

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <cblas.h>
@@ -319,16 +320,40 @@ class Prefetcher {
   size_t row_ = 0;
 };
 
-template <int R, class T>
-inline void DotRows(int64_t nk, int64_t dims, const float* a, const T* const* keys, float* s,
-                    int64_t lds, Prefetcher* ahead, int64_t per_tile) {
-  constexpr int J = DotKeys(R);
-  int64_t j = 0;
-  for (; j + J <= nk; j += J) {
-    if (ahead != nullptr) ahead->Step(per_tile);
-    DotTile<R, J>(j, dims, a, keys, s, lds);
+// f(std::integral_constant<int, n>) for a group's n = 1..4 rows.
+template <class F>
+inline void ForRowCount(int64_t n, const F& f) {
+  switch (n) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
   }
-  for (; j < nk; ++j) DotTile<R, 1>(j, dims, a, keys, s, lds);
+}
+
+// The dot tiles of m rows x nk keys: rows in groups of up to 4 (R), each
+// group's keys in tiles of J = KeysPer(R), then single keys (J = 1), as
+// tile(R, J, r, j) with R and J std::integral_constants, r the group's first
+// row and j the tile's first key; `lines` prefetches of `ahead` (or null)
+// spread over the whole tiles, before each.
+template <int (*KeysPer)(int), class Tile>
+inline void DotTiles(int64_t m, int64_t nk, Prefetcher* ahead, int64_t lines, const Tile& tile) {
+  int64_t tiles = 0;
+  for (int64_t r = 0; r < m; r += 4) {
+    tiles += nk / KeysPer(static_cast<int>(std::min<int64_t>(4, m - r)));
+  }
+  const int64_t per_tile = (lines + std::max<int64_t>(1, tiles) - 1) / std::max<int64_t>(1, tiles);
+  for (int64_t r = 0; r < m; r += 4) {
+    ForRowCount(std::min<int64_t>(4, m - r), [&](auto rows) {
+      constexpr int J = KeysPer(decltype(rows)::value);
+      int64_t j = 0;
+      for (; j + J <= nk; j += J) {
+        if (ahead != nullptr) ahead->Step(per_tile);
+        tile(rows, std::integral_constant<int, J>{}, r, j);
+      }
+      for (; j < nk; ++j) tile(rows, std::integral_constant<int, 1>{}, r, j);
+    });
+  }
 }
 
 // Scores s[r][jj] = a[r] . keys[jj], r < m, jj < nk, reading the keys where
@@ -339,23 +364,11 @@ inline void DotRows(int64_t nk, int64_t dims, const float* a, const T* const* ke
 template <class T>
 void DotScores(int64_t m, int64_t nk, int64_t dims, const float* a, const T* const* keys,
                float* s, int64_t lds, Prefetcher* ahead, int64_t lines) {
-  int64_t tiles = 0;  // the tiles that issue prefetches, as DotRows makes them
-  for (int64_t r = 0; r < m; r += 4) {
-    tiles += nk / DotKeys(static_cast<int>(std::min<int64_t>(4, m - r)));
-  }
-  const int64_t per_tile = (lines + std::max<int64_t>(1, tiles) - 1) / std::max<int64_t>(1, tiles);
-  for (int64_t r = 0; r < m; r += 4) {
-    const float* ar = a + r * dims;
-    float* sr = s + r * lds;
-    switch (std::min<int64_t>(4, m - r)) {
-      case 4: DotRows<4>(nk, dims, ar, keys, sr, lds, ahead, per_tile); break;
-      case 3: DotRows<3>(nk, dims, ar, keys, sr, lds, ahead, per_tile); break;
-      case 2: DotRows<2>(nk, dims, ar, keys, sr, lds, ahead, per_tile); break;
-      default: DotRows<1>(nk, dims, ar, keys, sr, lds, ahead, per_tile); break;
-    }
-  }
+  DotTiles<DotKeys>(m, nk, ahead, lines, [&](auto rows, auto keys_per, int64_t r, int64_t j) {
+    DotTile<decltype(rows)::value, decltype(keys_per)::value>(j, dims, a + r * dims, keys,
+                                                              s + r * lds, lds);
+  });
 }
-
 
 // exp(x) per lane, branch-free: 2^n * e^r with n = round(x / ln2) (the
 // 1.5 * 2^23 trick) and |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial

@@ -157,7 +157,7 @@ struct V3 {
 void Avx512PagedForward(const an::Params& p, const an::PagedArgs& a, an::DType dtype,
                         const void* q, const void* k, const void* v, void* out,
                         const an::ParallelFor& parallel_for) {
-  if (__builtin_cpu_supports("avx512vbmi")) {
+  if (an::Avx512PagedSupported()) {
     return an::isa_avx512_bf16::PagedForward(p, a, dtype, q, k, v, out, parallel_for);
   }
   an::isa_v3::PagedForward(p, a, dtype, q, k, v, out, parallel_for);

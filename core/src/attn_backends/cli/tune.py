@@ -170,24 +170,20 @@ def tune(registry: Any, signatures: Sequence[Signature], platform: str, *,
 
 def signatures_from_args(args: Any, registry: Any, call_arguments: Callable[[Any], Any],
                          ) -> list[Signature]:
-    """The signatures one command line (or one ``--from`` line) names."""
+    """The signatures one command line (or one ``--from`` line) names. A ValueError
+    names flags that ask for what cannot be timed, before any call is built: a
+    quantized K and V's attention is forward only, so ``--kv-dtype`` with
+    ``--grad`` or ``--both`` has no backward to time."""
+    if args.kv_dtype is not None and (args.grad or args.both):
+        raise ValueError(f"--kv-dtype {args.kv_dtype}: attention over a quantized K and V is "
+                         "forward only; tune it without --grad or --both")
     if args.q is None or args.kv is None:
         return []
     q, k, v, kwargs = call_arguments(args)
     call = registry.get(device=args.device, fallback="silent",
                         layout=args.layout).explain(q, k, v, **kwargs).call
-    passes = (False, True) if getattr(args, "both", False) else (bool(args.grad),)
+    passes = (False, True) if args.both else (bool(args.grad),)
     return [Signature(call, grad) for grad in passes]
-
-
-def refusal(args: Any) -> str | None:
-    """Why tune's flags (a command line, or one ``--from`` line) ask for what cannot
-    be timed, or None: a quantized K and V's attention is forward only, so
-    ``--kv-dtype`` with ``--grad`` or ``--both`` has no backward to time."""
-    if args.kv_dtype is not None and (args.grad or args.both):
-        return (f"--kv-dtype {args.kv_dtype}: attention over a quantized K and V is forward "
-                "only; tune it without --grad or --both")
-    return None
 
 
 def cmd_tune(args: Any, registry: Any, call_arguments: Callable[[Any], Any],
@@ -199,9 +195,6 @@ def cmd_tune(args: Any, registry: Any, call_arguments: Callable[[Any], Any],
     from ..contract.environment import cache_dir, resolve
     from ..probe.tuning import TABLE_NAME, environment, identity
 
-    if (why := refusal(args)) is not None:
-        print(f"attn-backends tune: {why}", file=sys.stderr)
-        return 2
     platform, present = resolve(args.device)
     if not present:
         print(f"attn-backends tune: JAX sees no {platform} here; tune on the machine the "
@@ -224,10 +217,6 @@ def cmd_tune(args: Any, registry: Any, call_arguments: Callable[[Any], Any],
                 except SystemExit:
                     print(f"attn-backends tune: {args.from_file}:{number}: not a call in "
                           f"tune's flags: {line.strip()!r}", file=sys.stderr)
-                    return 2
-                if (why := refusal(one)) is not None:
-                    print(f"attn-backends tune: {args.from_file}:{number}: {why}",
-                          file=sys.stderr)
                     return 2
                 try:
                     signatures += signatures_from_args(one, registry, call_arguments)

@@ -1,6 +1,7 @@
 # The two commands of the README: `make demo` and `make test`.
-# Both create .venv (Python 3.12, the newest jax line: 0.12) and install every
-# distribution of the repo in editable mode. `make test` also builds a
+# Both create .venv (Python 3.12, the newest jax line: 0.12) from the lock
+# requirements/main.txt and install every distribution of the repo in editable
+# mode (below: the locks, make test-newest and make lock). `make test` also builds a
 # compatibility environment on the older line (Python 3.11, jax 0.10), runs
 # there the tests of what differs between the lines (the Pallas adapters, the
 # flax adapter, xla_native's decode gate, platform dispatch, the multi-process
@@ -12,9 +13,11 @@
 # The default environment. jax >= 0.11 needs Python >= 3.12 (pyenv provides
 # 3.12.1 on these machines; elsewhere `make PYTHON=python3.12`).
 PYTHON ?= env PYENV_VERSION=3.12.1 python3.12
-JAX ?= jax>=0.12,<0.13
 VENV := .venv
-PY := $(VENV)/bin/python
+# The lock .venv installs (make test-newest builds .venv-newest from its own).
+LOCK := requirements/main.txt
+VENV_NEWEST := .venv-newest
+PY = $(VENV)/bin/python
 # Every distribution in the repo: core, each plugin folder, the conformance suite.
 PACKAGES := core $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml)) contracts \
 	examples/dense_jax_backend
@@ -30,7 +33,6 @@ STAMP := $(VENV)/.installed-jax-0.12
 # ejkernel install (its extra, attn-backend-ejkernel[ejkernel]: ejkernel pins
 # jax~=0.10.0); .venv has the adapter without it, refused by its jax range.
 PYTHON_COMPAT ?= python3.11
-JAX_COMPAT ?= jax>=0.10,<0.11
 VENV_COMPAT := .venv-jax-0.10
 PY_COMPAT := $(VENV_COMPAT)/bin/python
 STAMP_COMPAT := $(VENV_COMPAT)/.installed
@@ -38,8 +40,10 @@ STAMP_COMPAT := $(VENV_COMPAT)/.installed
 # Conformance certificates written by `make test`, and a repo-local cache so
 # test runs never read or write the user's ~/.cache.
 CERTS := .certificates
+ATTN_CACHE := $(CURDIR)/.attn-cache
 # One certification per backend on the newest line; the Pallas ones run in
-# interpret mode. On the older line only the backends whose code paths differ
+# interpret mode. flash_triton on the older line only: JAX's Pallas Triton
+# kernels it wraps are gone from jax >= 0.12 (refused there by its check). On the older line only the backends whose code paths differ
 # between the lines: xla_native (its decode path is off below jaxlib 0.12) and
 # the two Pallas adapters (each jax line has its own kernels and interpreters),
 # on the quick table (TABLE_COMPAT_ below).
@@ -49,18 +53,20 @@ CERTS := .certificates
 # is compiled against each line's own FFI headers (jax.ffi.include_dir()), so
 # each line certifies its own build. ejkernel_xla (EasyDeL's ejkernel)
 # certifies on the older line only, the one its jax pin installs on.
-# tokamax's backends run another library's code, tested by its authors on
-# neither line: tokamax_xla and tokamax_xla_chunked are certified on both (the
+# tokamax's backends run another library's code (tokamax 0.0.17 on the newest
+# line, 0.0.12 on the older one: the releases each line's lock pins), tested by
+# its authors on neither line: tokamax_xla and tokamax_xla_chunked are certified on both (the
 # quick table on jax 0.10, see TABLE_COMPAT_ below); tokamax_mosaic_tpu (in
 # Pallas' TPU interpret mode, like flash_pallas) on the newest line only: on
 # jax 0.10.2 the suite failed its backward, so it refuses that line (its check;
 # plugins/tokamax/tests/test_tokamax_findings.py, run by pytest-compat, checks
 # the refusal there). tokamax_triton and tokamax_mosaic_gpu are in neither list:
 # they cannot run on cpu (tokamax's Triton kernel has no interpret option and
-# fails Pallas' generic interpreter; Mosaic GPU has none), so the same findings
-# file certifies them by lowering for cuda on jax 0.10 (the line that serves
-# them) and their refusal on jax 0.12; make test-gpu runs them (GPU_BACKENDS_COMPAT).
-BACKENDS := reference xla_native example_dense flash_pallas flash_triton native_cpu \
+# fails Pallas' generic interpreter in its backward; Mosaic GPU has none), so the
+# same findings file certifies them by lowering for cuda: tokamax_triton on both
+# lines, tokamax_mosaic_gpu on jax 0.10 (tokamax 0.0.17's is refused, uncertified),
+# and each refusal; make test-gpu runs them (GPU_BACKENDS_COMPAT).
+BACKENDS := reference xla_native example_dense flash_pallas native_cpu \
 	tokamax_xla tokamax_xla_chunked tokamax_mosaic_tpu
 COMPAT_BACKENDS := xla_native flash_pallas flash_triton native_cpu ejkernel_xla tokamax_xla \
 	tokamax_xla_chunked
@@ -70,10 +76,12 @@ INTERPRET_flash_pallas := ATTN_BACKENDS_PALLAS_INTERPRET=1
 INTERPRET_flash_triton := ATTN_BACKENDS_TRITON_INTERPRET=1
 INTERPRET_tokamax_mosaic_tpu := ATTN_BACKENDS_PALLAS_INTERPRET=1
 test-main pytest-main pytest-compat test-gpu multidevice multidevice-compat $(CERTIFY_MAIN) $(CERTIFY_COMPAT) \
-	sanitize-native_cpu: export ATTN_BACKENDS_CACHE_DIR = $(CURDIR)/.attn-cache
+	sanitize-native_cpu: export ATTN_BACKENDS_CACHE_DIR = $(ATTN_CACHE)
 # Gemma 3's dequantized weights and tokenizer, built on the first load (~25 s):
 # the tests' own copy, in the checkout.
-pytest-main: export ATTN_GEMMA3_CACHE = $(CURDIR)/.attn-cache/gemma3
+pytest-main: export ATTN_GEMMA3_CACHE = $(ATTN_CACHE)/gemma3
+# The lock the environment was built from (tests/test_locks.py checks it holds).
+pytest-main: export REPO_LOCK = $(abspath $(LOCK))
 # The tests and certifications on cpu check behaviour and numbers, never speed,
 # and compiling their programs is most of their time: they compile with LLVM's
 # optimisation off (XLA's CPU code generation only: XLA's HLO passes still run,
@@ -103,23 +111,89 @@ TIMED := tools/stage_time.sh
 .PHONY: install install-compat demo dist lint matrix readme-matrix test test-stages test-main test-compat \
 	test-wheels test-gpu clean gemma3-peer bench-gemma3
 
-$(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES) $(MODELS)) requirements-dev.txt
-	$(TIMED) install -- $(PYTHON) -m venv --clear $(VENV)
-	$(TIMED) install -- $(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
-	$(TIMED) install -- $(PY) -m pip install -q -r requirements-dev.txt "$(JAX)"
-	$(TIMED) install -- $(PY) -m pip install -q --no-build-isolation \
-		$(addprefix -e ,$(PACKAGES) $(MODELS))
+# Every environment installs from a lock in requirements/ (uv pip compile: every
+# package at an exact version), so a fresh clone builds what CI built the day the
+# lock moved; `make lock` moves the locks on purpose, after `make test-newest`
+# (below) passed on the newest releases. uv, pinned in requirements/uv.txt, lives
+# in a venv of its own (.venv-uv) and installs into the others (--python). A lock
+# holds third-party packages only; the repo's own distributions install editable
+# on top, --no-deps (the lock resolved their dependencies) and
+# --no-build-isolation (native_cpu compiles against the FFI headers of the
+# lock's jaxlib).
+UV_VENV := .venv-uv
+UV := env UV_PYTHON_DOWNLOADS=never UV_NO_CONFIG=1 $(UV_VENV)/bin/uv
+LOCAL_NAMES := $(shell sed -n 's/^name = "\(.*\)"/\1/p' \
+	$(addsuffix /pyproject.toml,$(PACKAGES) $(MODELS)))
+# $(call lock_compile,IN,PYTHON,OUT[,FLAGS]): IN resolved for PYTHON into OUT,
+# the repo's own distributions left out.
+define lock_compile
+	$(UV) pip compile -q --no-header --python "$$($(2) -c 'import sys; print(sys.executable)')" \
+		$(addprefix --no-emit-package ,$(LOCAL_NAMES)) $(4) $(1) -o $(3)
+endef
+# $(call install_env,VENV,PYTHON,LOCK,EDITABLES,STAGE): a fresh venv, the lock,
+# then the repo's own distributions.
+define install_env
+	$(TIMED) $(5) -- $(2) -m venv --clear $(1)
+	$(TIMED) $(5) -- $(UV) pip install -q --python $(1)/bin/python -r $(3)
+	$(TIMED) $(5) -- $(UV) pip install -q --python $(1)/bin/python --no-deps \
+		--no-build-isolation $(addprefix -e ,$(4))
+endef
+
+$(UV_VENV)/.installed: requirements/uv.txt
+	$(PYTHON) -m venv --clear $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements/uv.txt
 	touch $@
 
-$(STAMP_COMPAT): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements-dev.txt
-	$(TIMED) install-compat -- $(PYTHON_COMPAT) -m venv --clear $(VENV_COMPAT)
-	$(TIMED) install-compat -- $(PY_COMPAT) -m pip install -q --upgrade pip "setuptools>=77" wheel
-	$(TIMED) install-compat -- $(PY_COMPAT) -m pip install -q -r requirements-dev.txt "$(JAX_COMPAT)"
-	$(TIMED) install-compat -- $(PY_COMPAT) -m pip install -q --no-build-isolation \
-		$(addprefix -e ,$(PACKAGES))
-	$(TIMED) install-compat -- $(PY_COMPAT) -m pip install -q --no-build-isolation \
-		-e "./plugins/ejkernel[ejkernel]"
+$(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES) $(MODELS)) $(LOCK) \
+		$(UV_VENV)/.installed
+	$(call install_env,$(VENV),$(PYTHON),$(LOCK),$(PACKAGES) $(MODELS),install)
 	touch $@
+
+$(STAMP_COMPAT): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements/compat.txt \
+		$(UV_VENV)/.installed
+	$(call install_env,$(VENV_COMPAT),$(PYTHON_COMPAT),requirements/compat.txt,\
+		$(PACKAGES) ./plugins/ejkernel[ejkernel],install-compat)
+	touch $@
+
+# The canary: `make test-newest` resolves requirements/main.in again with the newest
+# releases of the direct dependencies below, past the ranges the repository
+# declares (an override replaces every requirement on a package), prints in one
+# line which versions moved, builds .venv-newest from that lock and runs the main
+# pytest and every certification of make test's newest line there. It passes
+# only on those exact versions: .newest/passed records the lock it passed on.
+# `make lock` then moves requirements/main.txt to it (refused when it did not
+# pass, or when a version lies outside requirements/*.in and the distributions'
+# declared ranges, which move on purpose), and re-resolves compat.txt and
+# peer.txt, keeping each pin their .in files still allow. docs/DEVELOPING.md
+# says when to run them.
+NEWEST := .newest
+NEWEST_DIRECT := jax jaxlib flax numpy pluggy pytest tokamax
+PY_UV := $(UV_VENV)/bin/python
+test-newest: $(UV_VENV)/.installed
+	mkdir -p $(NEWEST)
+	rm -f $(NEWEST)/passed
+	printf '%s\n' $(NEWEST_DIRECT) > $(NEWEST)/overrides.txt
+	$(call lock_compile,requirements/main.in,$(PYTHON),$(NEWEST)/main.txt,\
+		--upgrade --overrides $(NEWEST)/overrides.txt)
+	$(PY_UV) tools/lock_diff.py requirements/main.txt $(NEWEST)/main.txt
+	$(MAKE) VENV=$(VENV_NEWEST) LOCK=$(NEWEST)/main.txt CERTS=$(NEWEST)/certificates \
+		ATTN_CACHE=$(CURDIR)/$(NEWEST)/attn-cache pytest-main
+	$(MAKE_2) VENV=$(VENV_NEWEST) LOCK=$(NEWEST)/main.txt CERTS=$(NEWEST)/certificates \
+		ATTN_CACHE=$(CURDIR)/$(NEWEST)/attn-cache $(CERTIFY_MAIN)
+	cp $(NEWEST)/main.txt $(NEWEST)/passed
+	$(PY_UV) tools/lock_diff.py requirements/main.txt $(NEWEST)/main.txt | sed 's/^/make test-newest passed: /'
+
+lock: $(UV_VENV)/.installed
+	@test -f $(NEWEST)/passed && cmp -s $(NEWEST)/passed $(NEWEST)/main.txt || { echo \
+		"make lock: run make test-newest first: the main lock moves only to releases it passed on"; \
+		exit 1; }
+	$(call lock_compile,requirements/main.in,$(PYTHON),$(NEWEST)/in-range.txt,--upgrade)
+	$(PY_UV) tools/lock_diff.py requirements/main.txt $(NEWEST)/main.txt \
+		--in-range $(NEWEST)/in-range.txt
+	cp $(NEWEST)/main.txt requirements/main.txt
+	$(call lock_compile,requirements/compat.in,$(PYTHON_COMPAT),requirements/compat.txt)
+	$(call lock_compile,requirements/peer.in,python3.11,requirements/peer.txt,\
+		--find-links /opt/wheels)
 
 install: $(STAMP)
 
@@ -280,22 +354,23 @@ MULTIHOST_COMPAT := \
 	"tests/multihost/test_multihost_serving.py::test_every_process_serves_plain_sharded_ring_and_paged_calls[2-False]" \
 	"tests/multihost/test_multihost_serving.py::test_sharded_ring_and_paged_calls_with_no_mesh_context_on_every_process"
 
-# The Pallas adapters' paged tests run on the newest line only: what they add
-# over the suite's paged family is the adapters' own page-table and layout
+# flash_pallas' paged tests run on the newest line only: what they add
+# over the suite's paged family is the adapter's own page-table and layout
 # code, which does not branch on the jax line; the kernels and interpreters
 # that differ are run on this line by the paged family of flash_pallas's and
 # flash_triton's certifications here (their quick tables hold it), and by the
 # adapters' other tests (decode, export, interpret mode, key masks) below.
+# flash_triton's run here only: JAX's Pallas Triton kernels are gone from jax >= 0.12.
 PALLAS_PAGED := --ignore=plugins/flash_pallas/tests/test_flash_pallas_paged.py \
-	--ignore=plugins/flash_pallas/tests/test_flash_pallas_paged_decode.py \
-	--ignore=plugins/flash_triton/tests/test_flash_triton_paged.py
+	--ignore=plugins/flash_pallas/tests/test_flash_pallas_paged_decode.py
 
 pytest-compat: install-compat
 	$(TIMED) $@ -- $(PY_COMPAT) -c \
 		"import sys, jax; print('jax', jax.__version__, 'on Python', sys.version.split()[0])"
 	$(TIMED) $@ -- $(PY_COMPAT) -m pytest $(PYTEST_2) --durations=15 $(PALLAS_PAGED) tests/core \
 		plugins/flash_pallas plugins/flash_triton plugins/cudnn tests/test_flax.py tests/test_flax_nnx.py \
-		tests/test_platform_dispatch.py plugins/xla_native/tests/test_xla_native_decode.py \
+		tests/test_platform_dispatch.py tests/test_gpu_fused_kernel.py \
+		plugins/xla_native/tests/test_xla_native_decode.py \
 		plugins/xla_native/tests/test_xla_native_forward_only.py \
 		plugins/ejkernel/tests/test_ejkernel_xla.py plugins/tokamax/tests/test_tokamax_findings.py \
 		$(MULTIHOST_COMPAT)
@@ -345,18 +420,19 @@ $(CERTIFY_COMPAT): certify-compat-%: install-compat
 # On a GPU machine (never in CI): installs JAX's CUDA plugin for the installed
 # jax, runs the gpu-only tests, certifies every gpu backend on the local GPU and
 # times the GPU backends against bare cuDNN (benchmarks/bench_gpu.py).
-GPU_BACKENDS := cudnn flash_triton xla_native reference
-# tokamax 0.0.12's GPU kernels are served on jax < 0.12 only (its Triton kernel
-# calls pl.dot, its Mosaic GPU kernels plgpu.kernel(out_shape=...): both gone in
-# JAX 0.12), so they are certified on the compatibility line, with JAX's CUDA
-# plugin for that jax; tokamax_mosaic_gpu on a Hopper (sm90) or Blackwell only.
-GPU_BACKENDS_COMPAT := tokamax_triton tokamax_mosaic_gpu
+GPU_BACKENDS := cudnn tokamax_triton xla_native reference
+# flash_triton's kernel is gone from JAX 0.12, and tokamax 0.0.12's GPU kernels
+# (its Triton kernel calls pl.dot, its Mosaic GPU kernels plgpu.kernel(out_shape=...):
+# both gone in JAX 0.12) are the compatibility line's, so these are certified
+# there, with JAX's CUDA plugin for that jax; tokamax_mosaic_gpu on a Hopper (sm90)
+# or Blackwell only (tokamax 0.0.17's, on the newest line, is not certified yet).
+GPU_BACKENDS_COMPAT := flash_triton tokamax_triton tokamax_mosaic_gpu
 test-gpu: install
 	@command -v nvidia-smi >/dev/null || \
 		{ echo "make test-gpu: no NVIDIA GPU here (nvidia-smi not found); run it on a GPU machine"; exit 1; }
 	$(PY) -m pip install -q "jax[cuda12]==$$($(PY) -c 'import jax; print(jax.__version__)')"
 	$(PY) -c "import jax; print('jax', jax.__version__, jax.devices('gpu'))"
-	$(PY) -m pytest plugins/cudnn plugins/flash_triton
+	$(PY) -m pytest plugins/cudnn
 	mkdir -p $(CERTS)
 	for name in $(GPU_BACKENDS); do \
 		$(CHECK) $$name --json $(CERTS)/$$name-gpu.json || exit 1; done
@@ -369,7 +445,7 @@ test-gpu: install
 			echo "tokamax_mosaic_gpu: needs a Hopper (sm90) or Blackwell GPU, this is sm$$sm"; \
 			continue; fi; \
 		$(CHECK_COMPAT) $$name --json $(CERTS)/$$name-gpu-jax-0.10.json || exit 1; done
-	$(VENV)/bin/attn-backends bench --device gpu --backends cudnn,flash_triton,xla_native \
+	$(VENV)/bin/attn-backends bench --device gpu --backends cudnn,tokamax_triton,xla_native \
 		--dtype bfloat16
 	$(PY) benchmarks/bench_gpu.py
 
@@ -380,11 +456,11 @@ test-gpu: install
 VENV_PEER := .venv-peer
 PY_PEER := $(VENV_PEER)/bin/python
 STAMP_PEER := $(VENV_PEER)/.installed
-$(STAMP_PEER): examples/gemma3/peer/requirements.txt
+# pip, not uv: torch's CPU build is found on this disk through pip's configuration.
+$(STAMP_PEER): requirements/peer.txt
 	python3.11 -m venv --clear $(VENV_PEER)
-	$(PY_PEER) -m pip install -q -r examples/gemma3/peer/requirements.txt
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY_PEER) -m pip install -q --no-binary llama-cpp-python \
-		"llama-cpp-python==0.3.36"
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY_PEER) -m pip install -q --no-deps \
+		--no-binary llama-cpp-python -r requirements/peer.txt
 	touch $@
 
 # The peer's figures the tests compare with (examples/gemma3/peer/, committed):
@@ -402,5 +478,6 @@ bench-gemma3: install $(STAMP_PEER)
 	$(PY) benchmarks/bench_gemma3.py --report .bench-gemma3-ours.json .bench-gemma3-peers.json
 
 clean:
-	rm -rf $(VENV) $(VENV_COMPAT) $(CERTS) .attn-cache $(DIST) .stage-times \
+	rm -rf $(VENV) $(VENV_COMPAT) $(VENV_NEWEST) $(UV_VENV) $(NEWEST) $(CERTS) .attn-cache \
+		$(DIST) .stage-times \
 		examples/transformer/checkpoints

@@ -19,7 +19,8 @@
 #   variant); repeatable. A failing script fails the run.
 #
 # dist/ must hold the wheels (`make dist`). PyPI provides only third-party
-# dependencies (jax, numpy, pluggy, pytest). PYTHON picks the interpreter.
+# dependencies (jax, numpy, pluggy, pytest), at requirements/main.txt's versions.
+# PYTHON picks the interpreter (Python 3.12: the lock's).
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -70,7 +71,10 @@ export ATTN_BACKENDS_CACHE_DIR="$scratch/cache" JAX_PLATFORMS=cpu
 export WHEELS_DIST="$dist" WHEELS_VARIANT="$variant"
 cd "$scratch"
 
-pip_install=("$py" -m pip install -q --no-compile --find-links "$dist")
+# Third-party packages at the versions of the default environment's lock (the
+# wheels' own ranges allow them), so this run installs what make test tested.
+pip_install=("$py" -m pip install -q --no-compile --find-links "$dist"
+             --constraint "$repo/requirements/main.txt")
 if [ "$variant" = full ]; then
     core="$(wheel_of attn_backends)"
     others=()

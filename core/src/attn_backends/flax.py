@@ -72,6 +72,11 @@ What flax passes, and what becomes of it:
   ``broadcast_dropout`` says; flax's default (``broadcast_dropout=True``)
   shares one ``[Tq, Tk]`` mask across them. The same in expectation; not the
   same draw as flax's for a given rng.
+- ``input_positions`` (flax >= 0.12.12's ``nnx.MultiHeadAttention(x,
+  input_positions=...)``): with ``attention_fn(..., rope=nnx.RoPE(...))``,
+  query and key are rotated at those positions before the registry's
+  attention, as ``nnx.dot_product_attention_with_rope`` does
+  (``attn_backends._flax_inputs``); without ``rope``, refused.
 - Refused, with an error saying why and what to do: linen's quantized
   ``qk_attn_weights_einsum`` / ``attn_weights_value_einsum``.
 
@@ -98,6 +103,7 @@ import jax
 import jax.numpy as jnp
 
 from ._flax_dense import DENSE_PATH, SOWN_DROPOUT_REFUSED, announce_dense, dense, sow
+from ._flax_inputs import NO_ROPE, refuse_complex, refuse_unsupported, with_rope
 from .choose.attention import SELECTION_CACHE_SIZE, Attention
 from .choose.select import Explanation
 from .contract.arguments import bind
@@ -185,8 +191,9 @@ class FlaxAttention:
     which backend served each call signature (recorded when it is traced).
     """
 
-    def __init__(self, attention: Attention):
+    def __init__(self, attention: Attention, rope: Any = None):
         self.attention = attention
+        self.rope = rope
         self._calls: OrderedDict[FlaxSignature, ServedCall] = OrderedDict()
         self._lock = threading.RLock()
 
@@ -224,6 +231,7 @@ class FlaxAttention:
         force_fp32_for_softmax: bool = False,
         qk_attn_weights_einsum: Any = None,
         attn_weights_value_einsum: Any = None,
+        input_positions: jax.Array | None = None,
     ) -> jax.Array:
         """query ``[batch..., Tq, Hq, D]``, key ``[batch..., Tk, Hkv, D]``, value
         ``[batch..., Tk, Hkv, Dv]`` -> ``[batch..., Tq, Hq, Dv]``.
@@ -232,9 +240,14 @@ class FlaxAttention:
         ``deterministic`` (each batch row and head draws its own mask, whatever
         ``broadcast_dropout`` says); ``precision`` is accepted and left to the
         backend, ``force_fp32_for_softmax`` is always true here (module doc).
-        ``module`` sows the weights ``[batch..., Hq, Tq, Tk]`` (module doc).
+        ``module`` sows the weights ``[batch..., Hq, Tq, Tk]`` (module doc);
+        ``input_positions`` (``[T]`` or ``[batch..., T]``) need ``rope`` (module doc).
         """
-        _refuse_unsupported(qk_attn_weights_einsum, attn_weights_value_einsum)
+        refuse_unsupported(qk_attn_weights_einsum, attn_weights_value_einsum)
+        if self.rope is not None:
+            query, key = with_rope(self.rope, query, key, input_positions)
+        elif input_positions is not None:
+            raise TypeError(NO_ROPE)
         dropout: dict[str, Any] = {}
         if dropout_rate > 0.0 and not deterministic:
             if module is not None:
@@ -245,7 +258,7 @@ class FlaxAttention:
         else:
             target = dtype if dtype is not None else jnp.result_type(query, key, value)
             query, key, value = (jnp.asarray(x, target) for x in (query, key, value))
-        _refuse_complex(query.dtype)
+        refuse_complex(query.dtype)
         batch = _batch_dims(query, key, value)
         tq, hq = query.shape[-3], query.shape[-2]
         tk = key.shape[-3]
@@ -324,12 +337,15 @@ class FlaxAttention:
         return ServedCall(signature, call, mapping, backend, tuple(explanations))
 
 
-def attention_fn(attention: Attention | None = None, **get_kwargs: Any) -> FlaxAttention:
+def attention_fn(attention: Attention | None = None, *, rope: Any = None,
+                 **get_kwargs: Any) -> FlaxAttention:
     """An ``attention_fn`` for ``nnx.MultiHeadAttention`` / ``linen.MultiHeadDotProductAttention``.
 
     Pass a registry ``Attention`` (``attention_fn(registry.get(backend="x"))``)
     or the keyword arguments of ``attn_backends.registry.get``
     (``attention_fn(device="tpu", prefer=["flash_pallas"])``), not both.
+    ``rope`` (an ``nnx.RoPE``): rotate query and key first, as
+    ``nnx.dot_product_attention_with_rope`` does, at flax's ``input_positions``.
     """
     if attention is None:
         from ._wiring import registry
@@ -350,28 +366,7 @@ def attention_fn(attention: Attention | None = None, **get_kwargs: Any) -> FlaxA
             f"attention_fn: flax hands over [batch..., T, H, D] arrays, but this attention "
             f"takes layout={attention.layout!r}: get it with the default layout='BTNH'"
         )
-    return FlaxAttention(attention)
-
-
-def _refuse_unsupported(qk_einsum: Any, value_einsum: Any) -> None:
-    if qk_einsum is not None or value_einsum is not None:
-        raise NotImplementedError(
-            "attn_backends.flax: qk_attn_weights_einsum / attn_weights_value_einsum (quantized "
-            "einsums) replace the matmuls inside attention, but the backend runs its own kernel. "
-            "Leave them unset, or keep flax's own dot_product_attention for this module."
-        )
-
-
-def _refuse_complex(dtype: Any) -> None:
-    """flax's attention takes complex inputs; softmax attention over them is not defined."""
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        raise ValueError(
-            f"attn_backends.flax: query, key and value are {jnp.dtype(dtype).name}, and no "
-            "registry backend computes complex attention: its softmax needs real logits (a "
-            "maximum and exp of real numbers), which the contract defines only for float "
-            "dtypes. Use real dtypes (float32, bfloat16, float16; float64 under "
-            "jax_enable_x64), or keep flax's own dot_product_attention for a complex model."
-        )
+    return FlaxAttention(attention, rope)
 
 
 def _batch_dims(query: jax.Array, key: jax.Array, value: jax.Array) -> tuple[int, ...]:

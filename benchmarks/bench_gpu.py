@@ -1,8 +1,9 @@
 """GPU backends against bare cuDNN attention, on the local GPU (issue 18).
 
 Times forward and forward+backward (best of ``--reps`` after one compile) of
-q/k/v ``[1, S, H, D]``, causal, for ``cudnn``, ``flash_triton`` and
-``xla_native`` through the registry, and for a peer that calls
+q/k/v ``[1, S, H, D]``, causal, for ``cudnn``, the fused Triton kernel
+(``flash_triton`` on jax < 0.12, ``tokamax_triton`` from jax 0.12, where JAX
+removed flash_triton's kernel) and ``xla_native`` through the registry, and for a peer that calls
 ``jax.nn.dot_product_attention(implementation="cudnn")`` directly (what a JAX
 user on a GPU would write without attn-backends). Prints each time and its
 ratio to the peer (> 1: slower than bare cuDNN), with the GPU's name. Refuses
@@ -64,7 +65,10 @@ def main() -> int:
         print("bench_gpu: no GPU visible to JAX; run it on a GPU machine", file=sys.stderr)
         return 2
     registry = attn_backends.Registry(plugins=[_Peer()], probe=None)
-    names = [PEER, "cudnn", "flash_triton", "xla_native"]
+    from attn_backends.authoring import jax_api
+
+    triton = "tokamax_triton" if jax_api.pallas_triton_ops_gone() else "flash_triton"
+    names = [PEER, "cudnn", triton, "xla_native"]
     rows = run(registry, "gpu", backends=names, seqs=[int(s) for s in args.seq.split(",")],
                heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, causal=True,
                reps=args.reps)

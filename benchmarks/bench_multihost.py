@@ -51,9 +51,9 @@ def _worker(process: int, count: int, port: int, signatures: int, steps: int) ->
     calls = {"n": 0}
     if count > 1:
         hosts = ab.registry.agree
-        from jax._src import distributed
+        from attn_backends.authoring import jax_api
 
-        client = distributed.global_state.client
+        client = jax_api.distributed_client()
 
         class Counting:
             """The coordination client, counting every call agreement makes."""
@@ -93,9 +93,9 @@ def _worker(process: int, count: int, port: int, signatures: int, steps: int) ->
                                  "warm_calls": calls["n"] - before, "steps": steps}),
           flush=True)
     if count > 1:
-        from jax._src import distributed
+        from attn_backends.authoring import jax_api
 
-        distributed.global_state.client.wait_at_barrier("bench-done", 60_000)
+        jax_api.distributed_client().wait_at_barrier("bench-done", 60_000)
     os._exit(0)
 
 

@@ -165,14 +165,10 @@ def make_dist(
 
 def gpu_target() -> Any:
     """A context naming an H100 as the device to lower for (a GPU this machine
-    lacks), on jax lines that need one for a cuda lowering; else nothing."""
-    if not hasattr(jax.sharding, "AbstractDevice"):
-        return contextlib.nullcontext()
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                         platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
-                                     abstract_device=device)
-    return jax.sharding.use_abstract_mesh(mesh)
+    lacks): jax >= 0.12 lowers a Pallas Triton kernel for cuda only for a named GPU."""
+    from attn_backends.contract import jax_api
+
+    return jax_api.lowering_for_absent_gpu()
 
 
 @contextlib.contextmanager

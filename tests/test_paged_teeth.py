@@ -115,7 +115,7 @@ MUTANTS = {
         # Every element stays within its (coarser) half step: only the scale's rule
         # tells this quantizer from the contract's.
         [("attn_backends.contract.paged_quantize", "quantize",
-          "scale = jnp.where(finite, peak / largest, jnp.nan)",
+          "scale = jnp.where(finite, peak * jnp.float32(1.0 / largest), jnp.nan)",
           "scale = jnp.where(finite, peak, jnp.nan)")],
         "test_paged_write and quantized-store-float32-int8", "quantized-store-float32-int8",
         "probe: write quantized K wrong: scales"),

@@ -295,9 +295,9 @@ def local(result: dict[str, Any]) -> None:
         return max(float(np.abs(np.asarray(g) - w).max())
                    for g, w in zip((out, *grads), want, strict=True))
 
-    from jax._src import distributed
+    from attn_backends.authoring import jax_api
 
-    client = distributed.global_state.client
+    client = jax_api.distributed_client()
     if jax.process_index() == 0:
         alone = result["local"] = {}
         try:
@@ -382,10 +382,10 @@ def main(process: int, count: int, port: int, scenario: str) -> None:
     # Process 0 holds the coordination service: every live process waits here
     # until all have read what they need from it. One whose peer died could
     # not pass jax.distributed's shutdown, so each leaves with os._exit.
-    from jax._src import distributed
+    from attn_backends.authoring import jax_api
 
     alive = [p for p in range(count) if not (scenario in ("die", "hang") and p == count - 1)]
-    distributed.global_state.client.wait_at_barrier("attn-test-done", 120_000, alive)
+    jax_api.distributed_client().wait_at_barrier("attn-test-done", 120_000, alive)
     os._exit(0)
 
 

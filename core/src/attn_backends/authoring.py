@@ -28,6 +28,10 @@ subclass with a :class:`attn_backends.Capabilities` manifest either way.
 - :func:`vary_like`: values a backend makes from constants (a loop carry's
   start) typed as varying over the manual axes its inputs vary over, so it
   runs inside a user's ``jax.shard_map`` with ``check_vma=True``.
+- :mod:`jax_api`: the JAX APIs that moved between the jax lines (sharding
+  tests, ``shard_map``, FFI registration and calls, lowering for an absent
+  GPU), each branch with the releases it covers: a backend calls these, not
+  the moved API, and the next move of JAX is one file's change.
 - :func:`dropout_seed`, :func:`dropout_keep_at` and :func:`dropout_keep`: one
   counter-based rule for attention dropout's keep-mask, so a tiled kernel
   draws each tile's bits from the key and the tile's positions (forward and
@@ -45,7 +49,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from .contract import heads_first
+from .contract import heads_first, jax_api
 from .contract.call import FEATURES, AttentionCall
 from .contract.capabilities import Capabilities
 from .contract.environment import env_flag, vary_like
@@ -67,6 +71,7 @@ __all__ = [
     "dropout_keep_at",
     "dropout_seed",
     "heads_first",
+    "jax_api",
     "manifest",
     "paged_dense",
     "paged_rows",

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attn_backend_cudnn import CudnnBackend
+from attn_backends.contract import jax_api
 
 BACKEND = CudnnBackend()
 
@@ -124,8 +125,9 @@ def test_core_refuses_the_unclaimed_before_attend(cudnn_present, monkeypatch, kw
         jax.eval_shape(lambda q, k, v: attention(q, k, v, **kw), q, kv, kv)
 
 
-def _gpu_explain(**kw):
-    registry = attn_backends.Registry(only=["cudnn", "flash_triton", "xla_native", "reference"])
+def _gpu_explain(*extra, **kw):
+    registry = attn_backends.Registry(
+        only=["cudnn", "flash_triton", "xla_native", "reference", *extra])
     q = jnp.zeros((1, 64, 4, 64), jnp.bfloat16)
     k = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
     return registry.get(device="gpu").explain(q, k, k, **kw)
@@ -145,8 +147,10 @@ def test_gpu_ranking_cudnn_then_flash_triton_then_xla_native(cudnn_present):
     assert text.count("softcap") >= 2
 
 
-def test_without_cudnn_gpu_selection_falls_to_flash_triton(monkeypatch):
+def test_without_cudnn_gpu_selection_falls_to_the_fused_triton_kernel(monkeypatch):
+    """flash_triton where its kernel is (jax < 0.12), else tokamax_triton."""
     monkeypatch.setattr(plugin, "cudnn_version", lambda: None)
-    explanation = _gpu_explain(causal=True)
-    assert explanation.chosen == "flash_triton"
+    explanation = _gpu_explain("tokamax_triton", causal=True)
+    gone = jax_api.pallas_triton_ops_gone()
+    assert explanation.chosen == ("tokamax_triton" if gone else "flash_triton")
     assert "cuDNN not found" in str(explanation)

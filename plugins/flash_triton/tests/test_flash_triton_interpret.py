@@ -13,7 +13,14 @@ import jax
 import numpy as np
 import pytest
 from attn_backend_flash_triton import FlashTritonBackend, TritonBlockSizes, interpret_mode
+from attn_backends.contract import jax_api
 from attn_backends_contracts._oracle import attention, attention_vjp
+
+# JAX's Pallas Triton kernels are gone from jax >= 0.12 (deprecated in 0.12.0, removed in
+# 0.12.1): there flash_triton is refused (test_flash_triton_plugin.py checks the reason)
+# and these run on the jax 0.10 line (make test's compatibility run).
+pytestmark = pytest.mark.skipif(
+    jax_api.pallas_triton_ops_gone() is not None, reason="jax >= 0.12: the kernel is gone")
 
 BACKEND = FlashTritonBackend()
 BLOCKS = TritonBlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_kv_dkv=16,

@@ -22,13 +22,16 @@ import pytest
 from _paged_support import PS, PagedCases, paged_case
 from _support import gpu_target
 from attn_backend_flash_triton import ENV_VAR, FlashTritonBackend, TritonPagedBlocks, interpret_mode
+from attn_backends.contract import jax_api
+
+# JAX's Pallas Triton kernels are gone from jax >= 0.12 (deprecated in 0.12.0, removed in
+# 0.12.1): there flash_triton is refused (test_flash_triton_plugin.py checks the reason)
+# and these run on the jax 0.10 line (make test's compatibility run).
+pytestmark = pytest.mark.skipif(
+    jax_api.pallas_triton_ops_gone() is not None, reason="jax >= 0.12: the kernel is gone")
 
 TRITON = "__gpu$xla.gpu.triton"
 
-# jax 0.12 warns at every Triton lowering that Pallas Triton is deprecated (as in
-# test_flash_triton_export.py).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
 class TestFlashTritonPaged(PagedCases):

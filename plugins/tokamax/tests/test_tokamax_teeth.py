@@ -43,13 +43,20 @@ def _wrong_fwd(**changes):
 
 
 def _causal_one_late(right):
-    """Mask.as_array with causal rows seeing one key past the diagonal."""
+    """Mask.as_array with causal rows seeing one key past the diagonal (tokamax
+    0.0.17's Mask holds a CausalMask, whose offset moves; 0.0.12's a flag)."""
 
     @functools.wraps(right)
     def wrong(self, q_len_or_indices, k_len_or_indices):
+        import dataclasses
+
+        causal = getattr(self, "causal_mask", None)
+        if causal is not None:
+            late = dataclasses.replace(causal, offset=causal.offset + 1)
+            return right(dataclasses.replace(self, causal_mask=late), q_len_or_indices,
+                         k_len_or_indices)
         if not self.is_causal:
             return right(self, q_len_or_indices, k_len_or_indices)
-        import dataclasses
 
         rest = right(dataclasses.replace(self, is_causal=False), q_len_or_indices,
                      k_len_or_indices)

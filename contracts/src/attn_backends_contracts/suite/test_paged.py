@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attn_backends.authoring import jax_api
 from attn_backends.oracle import paged_attention
 
 from attn_backends_contracts._inputs import x64_for
@@ -221,9 +222,9 @@ def test_paged_in_shard_map(attn_suite: Any, attn_paged_dtype: Any) -> None:
         arrays = _canonical(clean, case.dtype)
         # The kv heads of K and V [pages, ps, Hkv, D] (and scales [pages, ps, Hkv]).
         heads = [P(None, None, "user", *[None] * (x.ndim - 3)) for x in arrays]
-        mapped = jax.jit(jax.shard_map(step, mesh=mesh,
-                                       in_specs=(P(None, "user"), P(), *heads),
-                                       out_specs=P(None, "user"), check_vma=True))
+        mapped = jax.jit(jax_api.shard_map(step, mesh=mesh,
+                                           in_specs=(P(None, "user"), P(), *heads),
+                                           out_specs=P(None, "user"), check_vma=True))
         args = [jnp.asarray(_cast(clean.q, case.dtype)), clean.batch(), *arrays]
         if not suite.backend.paged_capabilities.check_vma:
             with pytest.raises(UnsupportedError, match="check_vma=False"):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attn_backends.authoring import jax_api
 
 from attn_backends_contracts._runner import bound, compiled, oracle, split_kwargs
 from attn_backends_contracts._session import family
@@ -123,9 +124,9 @@ def test_shard_map(attn_suite: Any) -> None:
     # k and v vary as q does, or are replicated (invariant) beside a varying q.
     split, whole = PartitionSpec("user"), PartitionSpec()
     for how, kv in (("in shard_map", split), ("in shard_map, k and v replicated", whole)):
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=(split, kv, kv, split),
-                               out_specs=(split, (split, kv, kv) if caps.differentiable else ()),
-                               check_vma=True)
+        mapped = jax_api.shard_map(
+            body, mesh=mesh, in_specs=(split, kv, kv, split),
+            out_specs=(split, (split, kv, kv) if caps.differentiable else ()), check_vma=True)
         if not caps.check_vma:
             with pytest.raises(UnsupportedError, match="check_vma=False"):
                 jax.jit(mapped)(*args)
@@ -178,9 +179,7 @@ def test_lowering_names_backend(attn_suite: Any) -> None:
         g = bound(attn_suite.attention_on("tpu"), case, data)
         _, arrays, bias = split_kwargs(data["kwargs"])
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-        exported = jax.export.export(
-            jax.jit(lambda q, k, v: g(q, k, v, bias, arrays)), platforms=["tpu"]
-        )(*specs)
+        exported = jax_api.export(lambda q, k, v: g(q, k, v, bias, arrays), ["tpu"])(*specs)
         text = exported.mlir_module()
     assert marker in text, (
         f"hlo_marker {marker!r} not found in the {where} lowering: the backend's own "

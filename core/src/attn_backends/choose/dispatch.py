@@ -72,13 +72,12 @@ def _unavailable() -> Any:
     """Identity on its operand that refuses to lower (or run): the placeholder of
     platforms no backend was selected for. Built on first use: ``jax.extend``
     imports much of JAX (Pallas included), which ``import attn_backends`` must not."""
-    from jax.extend.core import Primitive
-    from jax.interpreters import mlir
+    from ..contract import jax_api
 
-    primitive = Primitive("attn_backends_platform_unavailable")
+    primitive = jax_api.new_primitive("attn_backends_platform_unavailable")
     primitive.def_abstract_eval(lambda x, *, selected: x)
     primitive.def_impl(_refuse_to_run)
-    mlir.register_lowering(primitive, _refuse_to_lower)
+    jax_api.register_lowering(primitive, _refuse_to_lower)
     return primitive
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from ..contract import jax_api
 from ..contract.environment import marked, sharding_of
 from ..contract.errors import UnsupportedError
 
@@ -71,9 +72,7 @@ def _concrete_here(x: Any) -> bool:
 def _context_mesh() -> tuple[Any, str]:
     """The mesh in JAX's context (``jax.sharding.set_mesh``): host data there is
     laid out over it (eager or traced), and a trace may be."""
-    from jax._src import mesh as meshes  # the concrete one has no public getter under jit
-
-    concrete = meshes.get_concrete_mesh()
+    concrete = jax_api.context_mesh()
     if concrete is not None and not concrete.empty:
         return concrete, "the mesh in context (jax.sharding.set_mesh)"
     return jax.sharding.get_abstract_mesh(), "the abstract mesh in context"

@@ -88,9 +88,9 @@ def visible_platforms() -> tuple[str, ...]:
     Read from ``jax.extend.backend.backends()`` (JAX's table of initialised
     backends, plugins' included), named through :func:`platform_name`.
     """
-    from jax.extend import backend
+    from . import jax_api
 
-    return tuple(sorted({platform_name(name) for name in backend.backends()}))
+    return tuple(sorted({platform_name(name) for name in jax_api.initialised_backends()}))
 
 
 def resolve(device: Any) -> tuple[str, bool]:
@@ -245,9 +245,12 @@ def marked() -> bool:
 
 def sharding_of(x: Any) -> Any:
     """The sharding of a concrete array, ShapeDtypeStruct or (under jit) tracer, or None."""
+    # Imported here: `import attn_backends` loads this module, not jax_api.
+    from . import jax_api
+
     if isinstance(x, jax.core.Tracer):
         try:
-            return jax.typeof(x).sharding
+            return jax_api.aval_of(x).sharding
         except Exception:  # noqa: BLE001 - an aval without sharding: nothing to learn
             return None
     return getattr(x, "sharding", None)
@@ -256,8 +259,10 @@ def sharding_of(x: Any) -> Any:
 def is_sharded(x: Any) -> bool:
     """Whether ``x`` is laid out over mesh axes (a spec naming one, or a sharding that
     is neither single-device nor fully replicated): such a call is the parallel layer's."""
+    from . import jax_api
+
     sharding = sharding_of(x)
-    if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    if sharding is None or jax_api.is_single_device_sharding(sharding):
         return False
     if isinstance(sharding, jax.sharding.NamedSharding):
         return not sharding.mesh.empty and any(entry is not None for entry in sharding.spec)
@@ -267,9 +272,11 @@ def is_sharded(x: Any) -> bool:
 def varying_axes(*values: Any) -> frozenset[str]:
     """The manual mesh axes (inside ``jax.shard_map``) any array in ``values``
     (pytrees) varies over; empty outside shard_map."""
+    from . import jax_api
+
     axes: frozenset[str] = frozenset()
     for x in jax.tree.leaves(values):
-        manual = getattr(jax.typeof(x), "manual_axis_type", None)
+        manual = getattr(jax_api.aval_of(x), "manual_axis_type", None)
         if manual is not None:
             axes |= manual.varying
     return axes
@@ -288,9 +295,11 @@ def vary_like(tree: Any, *like: Any) -> Any:
     if not axes:
         return tree
 
+    from . import jax_api
+
     def cast(x: Any) -> Any:
         missing = tuple(sorted(axes - varying_axes(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
+        return jax_api.cast_varying(x, missing) if missing else x
 
     return jax.tree.map(cast, tree)
 

@@ -5,7 +5,8 @@ One float32 scale per (position, kv head) for K and for V: ``x ~= value * scale`
 over the ``head_dim`` elements of that position and head. Loaded by the first
 quantized ``write``, not by ``import attn_backends``.
 
-- int8: ``scale = max|x| / 127``, ``value = round_half_even(x / scale)`` in
+- int8: ``scale = max|x| / 127`` (as ``max|x| * float32(1/127)``: the same bytes
+  in every program), ``value = round_half_even(x / scale)`` in
   [-127, 127] (symmetric: -128 is never written);
 - float8_e4m3fn / float8_e5m2: ``scale = max|x| / F`` (F the format's largest
   finite value, 448 and 57344), ``value = x / scale`` rounded to the format.
@@ -37,7 +38,12 @@ def quantize(x: Any, cache_dtype: str) -> tuple[Any, Any]:
     # suite's quantized store case on flash_pallas found it).
     finite = jnp.all(jnp.isfinite(x), axis=-1)
     peak = jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0.0)), axis=-1)
-    scale = jnp.where(finite, peak / largest, jnp.nan)
+    # A product by the constant 1/largest, never a division by it: XLA turns a
+    # division by a constant into that product in jitted programs and not in
+    # eager ones (jax 0.12.1), so a division gave the same cache other bytes
+    # (a scale 1 ulp apart) when written by another program; a product is one
+    # IEEE operation everywhere. It is max|x| / largest to float32 rounding.
+    scale = jnp.where(finite, peak * jnp.float32(1.0 / largest), jnp.nan)
     # Zero and non-finite rows divide by 1 (their values are zeroed below), so no
     # 0/0 or Inf/Inf is ever computed.
     usable = finite & (peak > 0)

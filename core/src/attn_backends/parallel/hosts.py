@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..choose.select import Explanation, Rejudge, Verdict
+from ..contract import jax_api
 from ..contract.environment import env_setting, seconds
 from ..contract.errors import AgreementError, AgreementWarning, warn
 
@@ -269,9 +270,7 @@ class Hosts:
     def _client(self) -> KeyValueStore:
         if self._store is not None:
             return self._store
-        from jax._src import distributed
-
-        client = distributed.global_state.client
+        client = jax_api.distributed_client()
         if client is None:
             raise AgreementError(
                 "this run has several JAX processes but no coordination service to agree "

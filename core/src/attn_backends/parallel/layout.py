@@ -32,6 +32,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from ..choose.select import Explanation
+from ..contract import jax_api
 from ..contract.call import AttentionCall, Operands
 from ..contract.environment import sharding_of
 
@@ -122,7 +123,7 @@ class Layout:
 
 def _spec_from(name: str, x: Any) -> tuple[Any, PartitionSpec | None]:
     sharding = sharding_of(x)
-    if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    if sharding is None or jax_api.is_single_device_sharding(sharding):
         return None, None
     if isinstance(sharding, jax.sharding.NamedSharding):
         if sharding.mesh.empty:

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..choose.paged import PagedAttention, choose_paged, select_paged
+from ..contract import jax_api
 from ..contract.paged import KVCache, PagedBatch, PagedCall
 
 
@@ -112,8 +113,8 @@ class HeadsShardedPaged:
         return tuple(len(a.shape) for a in cache.arrays)
 
     def _map(self, body: Any, in_specs: tuple[Any, ...], out_specs: Any) -> Any:
-        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
+        return jax_api.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                                 out_specs=out_specs, check_vma=False)
 
     def init_cache(self, num_pages: int) -> KVCache:
         """A zero-filled cache of ``num_pages`` pages, each array laid out with its

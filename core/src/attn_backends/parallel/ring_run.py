@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from ..choose.dispatch import Served
 from ..choose.select import Explanation
+from ..contract import jax_api
 from ..contract.call import AttentionCall, Operands
 from ..contract.errors import UnsupportedError
 from .layout import Layout, ShardedExplanation, _local, operand_specs, place_all, present
@@ -250,8 +251,8 @@ def _ring_callable(served: Served, call: AttentionCall, layout: Layout,
     out_specs = (layout.qkv_spec, layout.lse_spec) if call.return_lse else layout.qkv_spec
     spec = layout.qkv_spec
     in_specs = (spec, spec, spec, specs)
-    mapped = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
-                           check_vma=False)
+    mapped = jax_api.shard_map(body, mesh=layout.mesh, in_specs=in_specs,
+                               out_specs=out_specs, check_vma=False)
     return jax.jit(lambda *args: mapped(*place_all(layout, in_specs, args)))
 
 

@@ -16,6 +16,7 @@ import jax
 
 from ..choose.dispatch import Served
 from ..choose.select import Explanation
+from ..contract import jax_api
 from ..contract.call import AttentionCall, Operands
 from .layout import (
     Layout,
@@ -53,7 +54,7 @@ def _split_fn(served: Served, call: AttentionCall, layout: Layout,
     # Typed by the manual axes when every backend keeps that typing (check_vma):
     # then it nests in a user's own shard_map over the mesh's other axes.
     typed = all(backend.capabilities.check_vma for _, backend in served.backends)
-    mapped = jax.shard_map(
+    mapped = jax_api.shard_map(
         body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=typed,
         axis_names=unmapped_axes(layout),
     )

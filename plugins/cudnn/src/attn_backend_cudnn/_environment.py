@@ -15,19 +15,11 @@ HOW_TO_INSTALL = (
 def cudnn_version() -> int | None:
     """cuDNN's version as JAX sees it (e.g. 91000 for 9.10.0), or None without it.
 
-    JAX keeps it in a private module (``jax._src.lib.cuda_versions``, present
-    with the CUDA plugin installed, None otherwise; same in jax 0.10 and 0.12).
+    JAX keeps it in a private module, read by core's ``jax_api.cudnn_version``.
     """
-    try:
-        from jax._src.lib import cuda_versions
-    except ImportError:
-        return None
-    if cuda_versions is None:
-        return None
-    try:
-        return int(cuda_versions.cudnn_get_version())
-    except Exception:  # noqa: BLE001 - a broken CUDA install means "no cuDNN" here
-        return None
+    from attn_backends.authoring import jax_api
+
+    return jax_api.cudnn_version()
 
 
 def local_compute_capability() -> tuple[int, int] | None:

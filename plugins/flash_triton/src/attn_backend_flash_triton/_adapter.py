@@ -15,26 +15,18 @@ and cuts the padding off the output. The kernel's causal mask is top-left,
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 from attn_backends import AttentionCall, Operands
-from attn_backends.authoring import resolve_options
+from attn_backends.authoring import jax_api, resolve_options
 
 from ._config import TritonBlockSizes
 from ._interpret import interpret_enabled
 
 
 def kernel_module() -> Any:
-    """``jax.experimental.pallas.ops.gpu.attention``, without its 0.12 deprecation warning.
-
-    The warning names tokamax; this package pins the jax lines it adapts instead.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from jax.experimental.pallas.ops.gpu import attention
-
-    return attention
+    """``jax.experimental.pallas.ops.gpu.attention`` (jax < 0.12: see ``check``)."""
+    return jax_api.pallas_triton_ops("attention")
 
 
 def resolve_blocks(call: AttentionCall, options: Any, interpret: bool) -> TritonBlockSizes:

@@ -69,11 +69,10 @@ import, silenced here as for the dense kernel):
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 from attn_backends import KVCache, PagedBatch, PagedCall
-from attn_backends.authoring import paged_rows
+from attn_backends.authoring import jax_api, paged_rows
 
 from ._config import TritonPagedBlocks
 
@@ -82,13 +81,8 @@ KERNEL_NAME = "flash_triton_paged"
 
 
 def kernel_module() -> Any:
-    """``jax.experimental.pallas.ops.gpu.paged_attention``, without its 0.12
-    deprecation warning (this package pins the jax lines it adapts)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from jax.experimental.pallas.ops.gpu import paged_attention
-
-    return paged_attention
+    """``jax.experimental.pallas.ops.gpu.paged_attention`` (jax < 0.12: see ``check_paged``)."""
+    return jax_api.pallas_triton_ops("paged_attention")
 
 
 def _kernel_partials(call: PagedCall, blocks: TritonPagedBlocks, splits: int,

@@ -21,6 +21,7 @@ from attn_backends import (
 from attn_backends.authoring import (
     HeadsFirstPagedBackend,
     distribution_version,
+    jax_api,
     manifest,
     refuse,
     resolve_options,
@@ -84,7 +85,8 @@ class FlashTritonBackend(Backend, HeadsFirstPagedBackend):
     paged_capabilities = SWITCH.capabilities(PAGED_MANIFEST)  # type: ignore[assignment]
 
     def check(self, call: AttentionCall) -> list[str]:
-        reasons = []
+        gone = jax_api.pallas_triton_ops_gone()
+        reasons = [gone] if gone else []
         if call.q_len != call.kv_len:
             reasons.append(
                 f"Tq={call.q_len} != Tk={call.kv_len}: the kernel's causal mask is top-left "
@@ -120,6 +122,10 @@ class FlashTritonBackend(Backend, HeadsFirstPagedBackend):
         if TritonBlockSizes.default_for(call, interpret_enabled()) == smallest:
             return None
         return smallest
+
+    def check_paged(self, call: PagedCall) -> list[str]:
+        gone = jax_api.pallas_triton_ops_gone()
+        return [gone] if gone else []
 
     def attend_paged(self, call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
                      options: Any = None) -> Any:

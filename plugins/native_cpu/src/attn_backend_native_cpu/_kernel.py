@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from attn_backends import AttentionCall, Operands, UnsupportedError
-from attn_backends.authoring import vary_like
+from attn_backends.authoring import jax_api, vary_like
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._library import TARGETS, load_error
@@ -37,7 +37,7 @@ def ffi_results(like: Any, *shapes: tuple[tuple[int, ...], Any]) -> tuple[Any, .
     user's ``jax.shard_map`` they vary over the manual axes ``like`` varies over
     (``ffi_call`` types them invariant otherwise, and the gradient of an output
     typed invariant is summed over the devices), elsewhere plain."""
-    aval = jax.typeof(like)
+    aval = jax_api.aval_of(like)
     if aval.manual_axis_type.varying:  # on the enclosing (manual) mesh, replicated
         mesh = aval.sharding.mesh
         return tuple(jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type,
@@ -50,7 +50,7 @@ def _forward_call(attrs: tuple, q: Any, k: Any, v: Any, q_lengths: Any, kv_lengt
     b, tq, hq, _ = q.shape
     q, k, v, q_lengths, kv_lengths = vary_like((q, k, v, q_lengths, kv_lengths), q, k, v)
     shapes = ffi_results(q, ((b, tq, hq, v.shape[-1]), q.dtype), ((b, hq, tq), jnp.float32))
-    run = jax.ffi.ffi_call(TARGETS["forward"][1], shapes, vmap_method="sequential")
+    run = jax_api.ffi_call(TARGETS["forward"][1], shapes, vmap_method="sequential")
     return run(q, k, v, q_lengths, kv_lengths, **dict(attrs))
 
 
@@ -68,7 +68,7 @@ def _attention_bwd(attrs, residuals, cotangents):
     q, k, v, out, lse, q_lengths, kv_lengths = residuals
     d_out, d_lse = vary_like(cotangents, q)
     shapes = ffi_results(q, *((x.shape, x.dtype) for x in (q, k, v)))
-    run = jax.ffi.ffi_call(TARGETS["backward"][1], shapes, vmap_method="sequential")
+    run = jax_api.ffi_call(TARGETS["backward"][1], shapes, vmap_method="sequential")
     dq, dk, dv = run(q, k, v, out, lse, d_out.astype(q.dtype), d_lse.astype(jnp.float32),
                      q_lengths, kv_lengths, **dict(attrs))
     return dq, dk, dv, None, None

@@ -57,10 +57,9 @@ def register(path: Path) -> str | None:
     """Load the library at ``path`` and register its FFI targets for cpu."""
     try:
         import jax
-        import jax.ffi
+        from attn_backends.authoring import jax_api
 
-        needed = ("ffi_call", "register_ffi_target", "pycapsule")
-        missing = [name for name in needed if not hasattr(jax.ffi, name)]
+        missing = jax_api.ffi_missing()
     except ImportError as error:
         return f"jax.ffi is not importable here ({error}); native_cpu needs jax >= 0.10"
     if missing:
@@ -78,7 +77,7 @@ def register(path: Path) -> str | None:
         except AttributeError as error:
             return f"native library {path} lacks the FFI handler {symbol} ({error}); {HOW_TO_BUILD}"
         try:
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+            jax_api.register_ffi_target(target, handler, platform="cpu")
         except Exception as error:  # noqa: BLE001 - reported as the refusal's reason
             return (f"jaxlib {jax.__version__} refused to register the FFI target {target}: "
                     f"{type(error).__name__}: {error}")

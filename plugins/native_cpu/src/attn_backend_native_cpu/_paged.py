@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from attn_backends import KVCache, PagedBatch, PagedCall, UnsupportedError
-from attn_backends.authoring import vary_like
+from attn_backends.authoring import jax_api, vary_like
 
 from ._kernel import ffi_results
 from ._library import TARGETS, load_error
@@ -28,7 +27,7 @@ def paged_attention(call: PagedCall, q: Any, cache: KVCache, batch: PagedBatch,
     left = -1 if call.window is None else call.window[0]
     # A quantized cache (values, then K's and V's scales) has its own handler.
     target = TARGETS["paged_quantized" if call.quantized else "paged"][1]
-    run = jax.ffi.ffi_call(target, ffi_results(q, (q.shape, q.dtype))[0],
+    run = jax_api.ffi_call(target, ffi_results(q, (q.shape, q.dtype))[0],
                            vmap_method="sequential")
     as_i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
     return run(q, *arrays, as_i32(batch.cu_q_lens), as_i32(batch.kv_lens),

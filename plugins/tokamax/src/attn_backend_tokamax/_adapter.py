@@ -76,7 +76,7 @@ def run(call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
         key_value_seq_lengths=seen.kv_lengths,
         local_window_size=seen.window,
         logits_soft_cap=call.softcap,
-        implementation=implementation,
+        implementation=(implementation,),
     )
     out = out[:, :call.q_len].astype(dtype)
     if seen.rows is not None:

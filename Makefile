@@ -65,7 +65,7 @@ ATTN_CACHE := $(CURDIR)/.attn-cache
 # fails Pallas' generic interpreter in its backward; Mosaic GPU has none), so the
 # same findings file certifies them by lowering for cuda: tokamax_triton on both
 # lines, tokamax_mosaic_gpu on jax 0.10 (tokamax 0.0.17's is refused, uncertified),
-# and each refusal; make test-gpu runs them (GPU_BACKENDS_COMPAT).
+# and each refusal; make test-gpu runs them (GPU_BACKENDS, GPU_BACKENDS_COMPAT).
 BACKENDS := reference xla_native example_dense flash_pallas native_cpu \
 	tokamax_xla tokamax_xla_chunked tokamax_mosaic_tpu
 COMPAT_BACKENDS := xla_native flash_pallas flash_triton native_cpu ejkernel_xla tokamax_xla \
@@ -108,7 +108,7 @@ DIST := dist
 # STAGE_TIMES), appends "NAME SECONDS STATUS" to .stage-times.
 TIMED := tools/stage_time.sh
 
-.PHONY: install install-compat demo dist lint matrix readme-matrix test test-stages test-main test-compat \
+.PHONY: install install-compat test-newest lock demo dist lint matrix readme-matrix test test-stages test-main test-compat \
 	test-wheels test-gpu clean gemma3-peer bench-gemma3
 
 # Every environment installs from a lock in requirements/ (uv pip compile: every
@@ -167,7 +167,8 @@ $(STAMP_COMPAT): $(addsuffix /pyproject.toml,$(PACKAGES)) requirements/compat.tx
 # peer.txt, keeping each pin their .in files still allow. docs/DEVELOPING.md
 # says when to run them.
 NEWEST := .newest
-NEWEST_DIRECT := jax jaxlib flax numpy pluggy pytest tokamax
+# jaxlib is not among them: jax pins the jaxlib of its own release.
+NEWEST_DIRECT := jax flax numpy pluggy pytest tokamax
 PY_UV := $(UV_VENV)/bin/python
 test-newest: $(UV_VENV)/.installed
 	mkdir -p $(NEWEST)
@@ -183,6 +184,10 @@ test-newest: $(UV_VENV)/.installed
 	cp $(NEWEST)/main.txt $(NEWEST)/passed
 	$(PY_UV) tools/lock_diff.py requirements/main.txt $(NEWEST)/main.txt | sed 's/^/make test-newest passed: /'
 
+# The main lock is the in-range resolution (no override comments), which must pin
+# exactly what the canary passed on; all three locks are resolved into .newest
+# first and copied together, so a failed step moves none.
+PEER_FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 lock: $(UV_VENV)/.installed
 	@test -f $(NEWEST)/passed && cmp -s $(NEWEST)/passed $(NEWEST)/main.txt || { echo \
 		"make lock: run make test-newest first: the main lock moves only to releases it passed on"; \
@@ -190,10 +195,11 @@ lock: $(UV_VENV)/.installed
 	$(call lock_compile,requirements/main.in,$(PYTHON),$(NEWEST)/in-range.txt,--upgrade)
 	$(PY_UV) tools/lock_diff.py requirements/main.txt $(NEWEST)/main.txt \
 		--in-range $(NEWEST)/in-range.txt
-	cp $(NEWEST)/main.txt requirements/main.txt
-	$(call lock_compile,requirements/compat.in,$(PYTHON_COMPAT),requirements/compat.txt)
-	$(call lock_compile,requirements/peer.in,python3.11,requirements/peer.txt,\
-		--find-links /opt/wheels)
+	cp requirements/compat.txt requirements/peer.txt $(NEWEST)/
+	$(call lock_compile,requirements/compat.in,$(PYTHON_COMPAT),$(NEWEST)/compat.txt)
+	$(call lock_compile,requirements/peer.in,python3.11,$(NEWEST)/peer.txt,$(PEER_FIND_LINKS))
+	cp $(NEWEST)/in-range.txt requirements/main.txt
+	cp $(NEWEST)/compat.txt $(NEWEST)/peer.txt requirements/
 
 install: $(STAMP)
 

@@ -2,7 +2,9 @@
 
 A user whose own tests turn deprecation warnings into errors, on the jax, flax
 and tokamax the repository locks, makes a plain call (forward and gradient), a
-sharded call over a mesh and a flax module's call through the registry, in a
+sharded call over a mesh, a flax module's call and a tokamax_xla call (whose
+import must not warn either: tokamax's own deprecated use is filtered, see
+plugins/tokamax) through the registry, in a
 fresh process (warnings JAX gives once per process are seen), with probes on
 and a fresh cache. jax 0.12.1 deprecated ``jax.sharding.SingleDeviceSharding``,
 which core tested on every call: 268 failures of the suite on that day.
@@ -47,6 +49,8 @@ x = jnp.asarray(rng.standard_normal((2, 12, 32), np.float32))
 theirs = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32, decode=False,
                                 rngs=nnx.Rngs(0))
 np.testing.assert_allclose(layer(x), theirs(x), atol=2e-5, rtol=1e-4)
+tokamax = ab.registry.get(device="cpu", backend="tokamax_xla")
+np.testing.assert_allclose(tokamax(q, k, v, causal=True), want, atol=2e-5, rtol=1e-4)
 print("served:", att.explain(q, k, v, causal=True).chosen)
 """
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attn_backend_xla_native import BlockConfig
+from attn_backends.contract import jax_api
 from attn_backends_contracts._oracle import attention as oracle
 
 
@@ -88,7 +89,7 @@ def test_one_export_for_tpu_cuda_and_cpu_runs_here_and_matches_the_oracle():
 
 
 #: jax >= 0.12.1 lowers each branch of platform_dependent for its own platform only.
-BRANCH_PER_PLATFORM = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3]) >= (0, 12, 1)
+BRANCH_PER_PLATFORM = jax_api.release() >= (0, 12, 1)
 
 
 def test_a_pallas_branch_shares_an_export_with_cpu_from_jax_0_12_1():

@@ -35,6 +35,8 @@ def with_rope(rope: Any, query: jax.Array, key: jax.Array,
 
     ``positions`` None: ``rope``'s own (an ``nnx.RoPE``'s cached tables, or
     ``0..T-1``), exactly as ``nnx.dot_product_attention_with_rope`` calls it.
+    Either way the result has the dtype ``rope`` gives (float32 tables promote a
+    bfloat16 query, as in flax's own function).
     Given, each batch row and head is rotated at its row's positions (flax
     0.12.12's own function maps the positions over the heads axis instead, and
     raises unless the head count equals T: docs/DESIGN.md's flax findings).
@@ -61,7 +63,8 @@ def with_rope(rope: Any, query: jax.Array, key: jax.Array,
 
     def rotated(x: jax.Array) -> jax.Array:
         flat = x.reshape((-1, *x.shape[-3:]))
-        return rotate(flat, positions.astype(jnp.float32)).reshape(x.shape).astype(x.dtype)
+        rotated = rotate(flat, positions.astype(jnp.float32))
+        return rotated.reshape((*x.shape[:-1], rotated.shape[-1]))
 
     return rotated(query), rotated(key)
 

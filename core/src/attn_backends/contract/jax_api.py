@@ -5,8 +5,9 @@ APIs themselves, so the next move of JAX's API is a change to this file (and
 to ``tests/core/test_jax_api.py``, which runs on both lines). Each function
 names the releases each of its branches covers; the lines tested are jax 0.10
 (``.venv-jax-0.10``) and the newest one (``.venv``, requirements/main.txt).
-A branch is picked by what the installed JAX has, not by its version number:
-a release in between takes whichever it offers.
+A branch is picked by what the installed JAX has, where that can be asked (a
+release in between takes whichever it offers), and by :func:`release` where
+an API is still there but deprecated (JAX's Pallas Triton kernels in 0.12.0).
 
 Importing this module imports jax and nothing of ``jax.extend``, Pallas or
 export: those load on first use.
@@ -107,6 +108,16 @@ def cudnn_version() -> int | None:
         return None
 
 
+def default_device() -> Any:
+    """JAX's default device (a ``jax.default_device`` in context included).
+
+    jax 0.10 to 0.12.x: ``jax.extend.backend.get_default_device()``.
+    """
+    from jax.extend import backend
+
+    return backend.get_default_device()
+
+
 def initialised_backends() -> dict[str, Any]:
     """JAX's table of initialised backends (platform -> client); initialises none.
 
@@ -197,10 +208,12 @@ def lowering_for_absent_gpu(device_kind: str = DEFAULT_GPU) -> Iterator[None]:
         yield
 
 
-def _release() -> tuple[int, int]:
-    """The installed jax's (major, minor)."""
-    major, minor = jax.__version__.split(".")[:2]
-    return int(major), int(minor)
+def release() -> tuple[int, ...]:
+    """The installed jax's release numbers, e.g. ``(0, 12, 1)`` for 0.12.1 (compare
+    with a prefix: ``release() >= (0, 12)``)."""
+    import re
+
+    return tuple(int(part) for part in re.findall(r"\d+", jax.__version__)[:3])
 
 
 #: Why JAX's own Pallas Triton kernels cannot be served on jax >= 0.12 (None below).
@@ -219,7 +232,7 @@ def pallas_triton_ops_gone() -> str | None:
     ``DeprecationWarning`` at import pointing to tokamax). jax >= 0.12.1: removed
     (only ``attention_mgpu``, Mosaic GPU, is left there).
     """
-    return PALLAS_TRITON_OPS_GONE if _release() >= (0, 12) else None
+    return PALLAS_TRITON_OPS_GONE if release() >= (0, 12) else None
 
 
 def pallas_triton_ops(name: str) -> Any:

@@ -3,8 +3,9 @@
 tokamax 0.0.12 pins ``jax>=0.9.2`` but its Pallas kernels were written against
 one JAX API, and JAX moved parts of it since: each gate below is what the suite
 or a lowering found with tokamax 0.0.12, on jax 0.10.2 (the compatibility line)
-and 0.12. tokamax 0.0.17 (the newest line's, jax 0.12.1) needs none: its Triton
-and Mosaic kernels follow JAX 0.12's API. A backend outside its line is refused
+and 0.12. tokamax 0.0.17 (the newest line's, jax 0.12.1) needs none of those:
+its Triton and Mosaic kernels follow JAX 0.12's API; its Mosaic GPU kernels are
+gated as uncertified (the last gate). A backend outside its line is refused
 in ``check`` with the reason, never an import error or a crash at lowering.
 (The manifests' ``jax_versions`` stay the distribution's range: outside that,
 every registry load would warn.)
@@ -33,10 +34,11 @@ class JaxLine:
     def reasons(self) -> list[str]:
         """Why the installed jax is outside this line (empty when it is inside)."""
         import jax
+        from attn_backends.authoring import jax_api
 
         if tokamax_version() != self.tokamax:
             return []
-        release = tuple(int(part) for part in jax.__version__.split(".")[:2])
+        release = jax_api.release()
         if (self.first is None or release >= self.first) and (
                 self.stop is None or release < self.stop):
             return []

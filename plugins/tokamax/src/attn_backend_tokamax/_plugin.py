@@ -158,10 +158,7 @@ class TokamaxXlaChunkedBackend(TokamaxPaged, TokamaxBackend):
         chunks = resolve_options(options, ChunkSizes, lambda: None)
         if chunks is None:
             return self.implementation
-        from ._environment import import_tokamax
-
-        import_tokamax()
-        from tokamax._src.ops.attention import xla_chunked
+        from tokamax._src.ops.attention import xla_chunked  # imported by attend
 
         return xla_chunked.XlaChunkedDotProductAttention(chunk_size=(chunks.q, chunks.kv))
 
@@ -274,9 +271,9 @@ def hopper_reasons() -> list[str]:
     compute capability of JAX's default device (``gpu_utils.is_sm90()``), not by
     the platform lowered for: this asks the same device.
     """
-    from jax.extend import backend
+    from attn_backends.authoring import jax_api
 
-    device = backend.get_default_device()
+    device = jax_api.default_device()
     capability = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
     if capability is not None and 9.0 <= float(capability) < 11.0:
         return []

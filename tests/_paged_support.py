@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from _support import ALL_FEATURES
 from attn_backends import Backend, Capabilities, KVCache, PagedBackend, PagedCapabilities
-from attn_backends.authoring import canonical_write
+from attn_backends.authoring import CANONICAL_LAYOUT, canonical_write
 from attn_backends.oracle import paged_attention as oracle
 from attn_backends.probe.paged_inputs import BAD_INDEX
 from attn_backends_contracts.paged_cases import PagedCase, paged_case
@@ -93,7 +93,7 @@ class PagedCases:
     page_size: ClassVar[int] = PS
     head_dim: ClassVar[int] = 8
     #: The layout the backend's caches are in.
-    layout: ClassVar[str] = ab.CANONICAL_LAYOUT
+    layout: ClassVar[str] = CANONICAL_LAYOUT
     #: Whether it claims float64 (under x64); if not, float64 must be refused.
     float64: ClassVar[bool] = True
     # float32 with exact (HIGHEST) matmuls from float32 inputs: far inside what
@@ -313,7 +313,7 @@ def _oracle_attend(call: ab.PagedCall, q: Any, k_pages: Any, v_pages: Any,
                              v_pages, *batch)
 
 
-def make_paged_backend(name: str, *, priority: int = 10, layout: str = ab.CANONICAL_LAYOUT,
+def make_paged_backend(name: str, *, priority: int = 10, layout: str = CANONICAL_LAYOUT,
                        platforms: tuple[str, ...] = ("cpu", "gpu", "tpu"),
                        check_paged: Callable[[ab.PagedCall], list[str]] | None = None,
                        **paged: Any) -> Backend:
@@ -337,20 +337,20 @@ def make_paged_backend(name: str, *, priority: int = 10, layout: str = ab.CANONI
             return layout
 
         def from_canonical(self, call: ab.PagedCall, k_pages: Any, v_pages: Any) -> KVCache:
-            if layout == ab.CANONICAL_LAYOUT:
+            if layout == CANONICAL_LAYOUT:
                 return super().from_canonical(call, k_pages, v_pages)
             arrays = tuple(jnp.transpose(x, (2, 0, 1, 3)) for x in (k_pages, v_pages))
             return KVCache(arrays, layout, call.page_size, k_pages.shape[0])
 
         def to_canonical(self, call: ab.PagedCall, cache: KVCache) -> tuple[Any, Any]:
-            if layout == ab.CANONICAL_LAYOUT:
+            if layout == CANONICAL_LAYOUT:
                 return super().to_canonical(call, cache)
             k, v = (jnp.transpose(x, (1, 2, 0, 3)) for x in cache.arrays)
             return k, v
 
         def write(self, call: ab.PagedCall, cache: KVCache, k: Any, v: Any,
                   slots: Any) -> KVCache:
-            if layout == ab.CANONICAL_LAYOUT:
+            if layout == CANONICAL_LAYOUT:
                 return super().write(call, cache, k, v, slots)
             pages = canonical_write(call, *self.to_canonical(call, cache), k, v, slots)
             return self.from_canonical(call, *pages)

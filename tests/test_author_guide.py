@@ -37,7 +37,7 @@ def test_readme_backend_builds_installs_is_listed_and_certified(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(target), "ATTN_BACKENDS_CACHE_DIR": str(tmp_path)}
     env.pop("ATTN_BACKENDS_ONLY", None)
     cli = [
-        sys.executable, "-c", "from attn_backends.cli.main import main; raise SystemExit(main())"
+        sys.executable, "-c", "from attn_backends_cli.main import main; raise SystemExit(main())"
     ]
     listed = subprocess.run([*cli, "list", "--json"], env=env, check=True,
                             capture_output=True, text=True)

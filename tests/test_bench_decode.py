@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from attn_backends.cli.main import main
+from attn_backends_cli.main import main
 
 
 @pytest.fixture(autouse=True)
@@ -13,7 +13,8 @@ def two_backends(monkeypatch):
     import attn_backends
 
     monkeypatch.setattr(
-        attn_backends._wiring, "registry", attn_backends.Registry(only=["reference", "xla_native"])
+        attn_backends.choose.registry, "registry",
+        attn_backends.Registry(only=["reference", "xla_native"])
     )
 
 

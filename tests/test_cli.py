@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from attn_backends.cli.main import main
+from attn_backends_cli.main import main
 
 
 @pytest.fixture(autouse=True)
@@ -13,7 +13,7 @@ def only_reference(monkeypatch):
     import attn_backends
 
     monkeypatch.setenv("ATTN_BACKENDS_ONLY", "reference")
-    monkeypatch.setattr(attn_backends._wiring, "registry", attn_backends.Registry())
+    monkeypatch.setattr(attn_backends.choose.registry, "registry", attn_backends.Registry())
 
 
 def test_list_table_and_json(capsys):
@@ -34,7 +34,7 @@ def test_the_librarys_warnings_are_one_line_each_others_keep_pythons_way(capsys,
     import warnings
 
     from attn_backends import PluginWarning
-    from attn_backends.cli import main as cli_main
+    from attn_backends_cli import main as cli_main
 
     def warn_then_list(args):
         warnings.warn("backend 'x' supports jax <0.1: it will not be selected", PluginWarning,
@@ -72,7 +72,7 @@ def test_explain_says_a_key_mask_is_rewritten_for_a_tpu_kernel(capsys, monkeypat
     import attn_backends
 
     monkeypatch.delenv("ATTN_BACKENDS_PALLAS_INTERPRET", raising=False)
-    monkeypatch.setattr(attn_backends._wiring, "registry",
+    monkeypatch.setattr(attn_backends.choose.registry, "registry",
                         attn_backends.Registry(only=["flash_pallas", "reference"]))
     argv = ["explain", "--device", "tpu", "--q", "2,1,8,128", "--kv", "2,512,2,128",
             "--dtype", "bfloat16", "--key-mask"]
@@ -108,7 +108,7 @@ def test_probe_fills_the_cache_and_list_shows_it(capsys, isolated_cache, monkeyp
     import attn_backends
 
     # Two backends, so one is probed against the reference.
-    monkeypatch.setattr(attn_backends._wiring, "registry",
+    monkeypatch.setattr(attn_backends.choose.registry, "registry",
                         attn_backends.Registry(only=["reference", "xla_native"]))
     assert main(["probe", "--backends", "xla_native", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
@@ -138,7 +138,7 @@ def test_bench_times_each_backend_against_the_reference_and_plots(capsys, tmp_pa
                                                                   monkeypatch):
     import attn_backends
 
-    monkeypatch.setattr(attn_backends._wiring, "registry",
+    monkeypatch.setattr(attn_backends.choose.registry, "registry",
                         attn_backends.Registry(only=["reference", "xla_native"]))
     png = tmp_path / "bench.png"
     argv = ["bench", "--seq", "64,128", "--heads", "2", "--reps", "1", "--json", "--plot", str(png)]
@@ -196,7 +196,7 @@ def test_bench_refuses_what_it_cannot_time(capsys, monkeypatch, argv, message):
 
     monkeypatch.setenv("ATTN_BACKENDS_ONLY", "reference,flash_pallas")
     monkeypatch.delenv("ATTN_BACKENDS_PALLAS_INTERPRET", raising=False)
-    monkeypatch.setattr(attn_backends._wiring, "registry", attn_backends.Registry())
+    monkeypatch.setattr(attn_backends.choose.registry, "registry", attn_backends.Registry())
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse's own exit for a bad option

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import pytest
-from attn_backends.cli.main import main
+from attn_backends_cli.main import main
 
 #: The families of the real run: causal (claimed), paged (example_dense has no
 #: paged support: the suite skips each test) and its refusals, unclaimed (its
@@ -176,7 +176,7 @@ def test_an_empty_folder_says_how_to_make_certificates(tmp_path: Path,
 
 def test_into_writes_the_markdown_between_the_markers_and_keeps_the_rest(
         real: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from attn_backends.cli.matrix import MATRIX_BEGIN, MATRIX_END
+    from attn_backends_cli.matrix import MATRIX_BEGIN, MATRIX_END
 
     path = _write(tmp_path / "certs", "example_dense", real)
     readme = tmp_path / "README.md"
@@ -200,7 +200,7 @@ def test_into_writes_the_markdown_between_the_markers_and_keeps_the_rest(
 def test_the_readme_matrix_is_the_commands_output() -> None:
     """The README's block is what `matrix --into` writes: its two tables and the
     legend, every cell a word of the legend (a hand edit rarely is)."""
-    from attn_backends.cli.matrix import LEGEND, MATRIX_BEGIN, MATRIX_END
+    from attn_backends_cli.matrix import LEGEND, MATRIX_BEGIN, MATRIX_END
 
     text = (Path(__file__).parents[1] / "README.md").read_text()
     block = text.split(MATRIX_BEGIN + "\n", 1)[1].split(MATRIX_END, 1)[0]

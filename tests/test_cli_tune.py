@@ -11,8 +11,8 @@ import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import pytest
-from attn_backends.cli.main import main
-from attn_backends.cli.tune import signatures_of
+from attn_backends_cli.main import main
+from attn_backends_cli.tune import signatures_of
 
 QUICK = ["--rounds", "1", "--runs", "1", "--warmup", "1"]
 CALL = ["--q", "2,8,4,8", "--kv", "2,8,2,8", "--causal"]
@@ -25,7 +25,7 @@ def two_backends(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTN_BACKENDS_ONLY", "reference,xla_native")
     monkeypatch.setenv("ATTN_BACKENDS_CACHE_DIR", str(tmp_path / "cache"))
     registry = attn_backends.Registry()
-    monkeypatch.setattr(attn_backends._wiring, "registry", registry)
+    monkeypatch.setattr(attn_backends.choose.registry, "registry", registry)
     # The package's name for it too: a test reading ab.registry would otherwise
     # make the process's registry discover under this ATTN_BACKENDS_ONLY and keep
     # that for every later test of the worker.

@@ -58,7 +58,7 @@ for module in order:
             sys.exit(97)
         src = src.replace(old, new)
     exec(compile(src, mod.__file__, "exec"), mod.__dict__)
-from attn_backends.cli.main import main
+from attn_backends_cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

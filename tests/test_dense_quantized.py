@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attn_backends.authoring import QUANTIZED_CACHE_DTYPES
 from attn_backends.oracle import attention, dequantize_rows, quantize_rows
 
 B, T, HQ, HKV, D = 2, 40, 4, 2, 16
@@ -71,7 +72,7 @@ def test_bad_scales_and_unquantized_calls_are_named() -> None:
     assert "kv=int8" in call.describe()
 
 
-@pytest.mark.parametrize("kv_dtype", ab.QUANTIZED_CACHE_DTYPES)
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_CACHE_DTYPES)
 def test_selection_passes_over_a_backend_reading_none_and_the_answer_is_the_oracles(
         registry: ab.Registry, kv_dtype: str) -> None:
     q, k, v, ks, vs = _arrays(kv_dtype)
@@ -140,7 +141,7 @@ def test_dropout_over_a_quantized_k_and_v_is_the_references(registry: ab.Registr
 
 def test_explain_on_the_command_line_names_the_kv_dtype(registry: ab.Registry, monkeypatch,
                                                           capsys) -> None:
-    from attn_backends.cli import main as cli
+    from attn_backends_cli import main as cli
 
     monkeypatch.setattr(cli, "_registry", lambda: registry)
     assert cli.main(["explain", "--device", "cpu", "--q", "1,16,4,16", "--kv", "1,16,2,16",
@@ -174,7 +175,7 @@ def test_xla_native_never_holds_a_dequantized_copy_of_k_or_v(registry: ab.Regist
 def test_tune_refuses_to_time_the_backward_of_a_quantized_call(registry: ab.Registry,
                                                                  monkeypatch, capsys,
                                                                  tmp_path) -> None:
-    from attn_backends.cli import main as cli
+    from attn_backends_cli import main as cli
 
     monkeypatch.setattr(cli, "_registry", lambda: registry)
     refused = ("attention over a quantized K and V is forward only; tune it without --grad "

@@ -1,4 +1,4 @@
-"""attn_backends.flax against flax's own attention, on both jax lines.
+"""attn_backends_flax against flax's own attention, on both jax lines.
 
 flax.linen's MultiHeadDotProductAttention with flax's attention and with the
 adapter, on the same parameters: forward, gradients w.r.t. parameters and
@@ -23,7 +23,7 @@ import pytest
 from _flax_support import PRIMARY, REGISTRY, close, ours, x
 from _support import Plugin, make_backend
 from attn_backends import FallbackWarning, UnsupportedError, oracle
-from attn_backends.flax import DENSE_PATH, FlaxAttention, FlaxSignature, attention_fn
+from attn_backends_flax import DENSE_PATH, FlaxAttention, FlaxSignature, attention_fn
 
 F, HEADS = 32, 4
 
@@ -311,8 +311,8 @@ def test_bad_arguments_say_what_was_expected() -> None:
 def test_core_imports_without_flax() -> None:
     code = (
         "import sys; sys.modules['flax'] = None\n"
-        "import attn_backends, attn_backends.flax\n"
-        "print(attn_backends.flax.attention_fn.__name__)"
+        "import attn_backends, attn_backends_flax\n"
+        "print(attn_backends_flax.attention_fn.__name__)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -15,7 +15,7 @@ import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import pytest
-from attn_backends.flax import attention_fn
+from attn_backends_flax import attention_fn
 from flax import nnx
 
 B, T, HEADS, D = 2, 256, 4, 128

@@ -1,4 +1,4 @@
-"""attn_backends.flax in flax.nnx, against flax's own attention on the same module and weights.
+"""attn_backends_flax in flax.nnx, against flax's own attention on the same module and weights.
 
 Forward, gradients w.r.t. parameters and inputs, KV-cache decoding step by
 step, GQA (``num_kv_heads``), ``is_causal`` both ways round, float masks and
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 from _flax_support import BACKENDS, PRIMARY, close, ours, x
 from attn_backends import FallbackWarning
-from attn_backends.flax import DENSE_PATH
+from attn_backends_flax import DENSE_PATH
 from flax import nnx
 
 F, HEADS = 32, 4

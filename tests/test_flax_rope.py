@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _flax_support import PRIMARY, REGISTRY, close, ours, x
-from attn_backends.flax import attention_fn
+from attn_backends_flax import attention_fn
 from flax import nnx
 
 F, HEADS, T = 32, 4, 6

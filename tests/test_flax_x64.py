@@ -1,4 +1,4 @@
-"""attn_backends.flax under ``jax_enable_x64``: float64 modules decode through the
+"""attn_backends_flax under ``jax_enable_x64``: float64 modules decode through the
 registry in float64 (linen and nnx), and complex inputs are refused saying why.
 
 flax's own einsum attention (``flax.linen.dot_product_attention``) in float64
@@ -88,11 +88,11 @@ def test_nnx_autoregressive_decode_with_x64() -> None:
 
 def test_complex_inputs_are_refused_naming_the_adapter_and_why() -> None:
     q = jnp.ones((2, 4, 2, 8), jnp.complex64)
-    with pytest.raises(ValueError, match=r"^attn_backends\.flax: query, key and value are "
+    with pytest.raises(ValueError, match=r"^attn_backends_flax: query, key and value are "
                        r"complex64, and no registry backend computes complex attention: its "
                        r"softmax needs real logits"):
         ours("reference")(q, q, q)
     # A complex dtype= promotes real inputs to complex: refused the same way.
     real = jnp.ones((2, 4, 2, 8), jnp.float32)
-    with pytest.raises(ValueError, match=r"^attn_backends\.flax: .* complex64"):
+    with pytest.raises(ValueError, match=r"^attn_backends_flax: .* complex64"):
         ours("reference")(real, real, real, dtype=jnp.complex64)

@@ -42,7 +42,7 @@ np.testing.assert_allclose(sharded, want, atol=2e-5, rtol=1e-4)
 assert len(sharded.sharding.device_set) == 2, sharded.sharding
 
 from flax import nnx
-from attn_backends.flax import attention_fn
+from attn_backends_flax import attention_fn
 layer = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32, decode=False,
                                attention_fn=attention_fn(device="cpu"), rngs=nnx.Rngs(0))
 x = jnp.asarray(rng.standard_normal((2, 12, 32), np.float32))

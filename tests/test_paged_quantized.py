@@ -13,12 +13,12 @@ import attn_backends as ab
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attn_backends.authoring import quantize
+from attn_backends.authoring import QUANTIZED_CACHE_DTYPES, quantize
 from attn_backends.oracle import paged_case
 from attn_backends.probe.paged_inputs import dequantize_rows, half_step, quantize_rows
 
 CALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype="float32")
-QUANTIZED = ab.QUANTIZED_CACHE_DTYPES
+QUANTIZED = QUANTIZED_CACHE_DTYPES
 
 
 @pytest.fixture

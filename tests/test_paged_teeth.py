@@ -42,7 +42,7 @@ for module, function, old, new in json.loads(os.environ["ATTN_TEETH_EDITS"]):
     exec(code, mod.__dict__)
 """
 _CHECK = _LAUNCHER + r"""
-from attn_backends.cli.main import main
+from attn_backends_cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 _PROBE = _LAUNCHER + r"""

@@ -16,6 +16,7 @@ from _support import Plugin, dense, make_backend, make_dist, qkv
 from attn_backends.choose import attention as _attention
 from attn_backends.probe import certificates as _certificates
 from attn_backends.probe import prober as _probe
+from attn_backends.probe.run import run_probe
 
 # A backend that claims causal but ignores it: the classic silent bug.
 IGNORES_CAUSAL = (
@@ -272,7 +273,7 @@ def test_real_probe_compares_forward_only_for_a_non_differentiable_backend():
         return no_derivative(dense_attention(call, q, k, v, operands))
 
     frozen = make_backend("frozen", priority=9, differentiable=False, attend=forward_only)
-    verdict = _probe.run_probe(frozen, ab.bind(*qkv(), causal=True)[0], "cpu")
+    verdict = run_probe(frozen, ab.bind(*qkv(), causal=True)[0], "cpu")
     assert verdict == []
 
 
@@ -288,24 +289,24 @@ def test_probe_compares_lse_when_the_call_returns_it():
     # kv_lengths of 0 give rows with lse -inf in both: those must compare equal.
     lengths = np.array([0, 5], np.int32)
     honest = make_backend("honest")
-    assert _probe.run_probe(
+    assert run_probe(
         honest, ab.bind(q, k, v, kv_lengths=lengths, return_lse=True)[0], "cpu"
     ) == []
     call = ab.bind(q, k, v, return_lse=True)[0]
-    reasons = _probe.run_probe(liar, call, "cpu")
+    reasons = run_probe(liar, call, "cpu")
     # Its lse is wrong, and so are dq and dk: the lse cotangent never reaches them.
     assert [r.split(" differs")[0] for r in reasons] == ["probe: lse", "probe: dq", "probe: dk"]
     # Without return_lse its out is all that is used, and that is right.
-    assert _probe.run_probe(liar, ab.bind(q, k, v)[0], "cpu") == []
+    assert run_probe(liar, ab.bind(q, k, v)[0], "cpu") == []
 
 
 def test_probe_retries_longer_shapes_when_check_rejects_the_short_one():
 
     picky = make_backend("picky", check=lambda call: [] if call.q_len >= 128 else ["Tq < 128"])
     q, k, v = qkv(tq=300, tk=300)
-    assert _probe.run_probe(picky, ab.bind(q, k, v)[0], "cpu") == []
+    assert run_probe(picky, ab.bind(q, k, v)[0], "cpu") == []
     never = make_backend("never", check=lambda call: [] if call.q_len >= 1000 else ["Tq < 1000"])
-    assert _probe.run_probe(never, ab.bind(q, k, v)[0], "cpu") is None
+    assert run_probe(never, ab.bind(q, k, v)[0], "cpu") is None
 
 
 def test_unprobeable_and_lower_ranked_backends_are_not_reported_as_probed():
@@ -336,10 +337,10 @@ def _split_forward(primal_factor, vjp_factor):
 
 def test_probe_checks_the_inference_program_and_the_training_program_apart():
     call = ab.bind(*qkv())[0]
-    assert _probe.run_probe(_split_forward(1.0, 1.0), call, "cpu") == []
-    wrong_inference = _probe.run_probe(_split_forward(1.5, 1.0), call, "cpu")
+    assert run_probe(_split_forward(1.0, 1.0), call, "cpu") == []
+    wrong_inference = run_probe(_split_forward(1.5, 1.0), call, "cpu")
     assert [r.split(" differs")[0] for r in wrong_inference] == ["probe: out"]
-    wrong_training = _probe.run_probe(_split_forward(1.0, 1.5), call, "cpu")
+    wrong_training = run_probe(_split_forward(1.0, 1.5), call, "cpu")
     assert [r.split(" differs")[0] for r in wrong_training] == ["probe, forward under jax.vjp: out"]
 
 

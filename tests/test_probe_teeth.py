@@ -21,7 +21,7 @@ from test_conformance_teeth_mutants import _LAUNCHER, _ORDER, MUTANTS
 #: Started early under make test's two workers, by its seconds there (tests/conftest.py).
 pytestmark = pytest.mark.slow(seconds=49)
 
-_CLI_TAIL = "from attn_backends.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
+_CLI_TAIL = "from attn_backends_cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 _PROBE_TAIL = """
 import jax, jax.numpy as jnp
 import attn_backends as ab

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _support import Plugin, make_backend, make_dist, qkv
-from attn_backends.cli.main import main
 from attn_backends.probe import certificates as _certificates
 from attn_backends.probe import oracle as oracle
 from attn_backends.probe import prober as _probe
 from attn_backends.probe import tolerances as tolerances
 from attn_backends.probe import verdicts as _verdicts
+from attn_backends_cli.main import main
 
 S = jax.ShapeDtypeStruct
 f32 = jnp.float32
@@ -123,7 +123,7 @@ def test_rebuilding_a_certified_backend_voids_its_certificate_and_the_probe_catc
     assert _certificates.status(backend, "cpu").counts
 
     _rebuild_with_top_left_causal(site, module)  # same name, same version, new code
-    listing = _run(site, isolated_cache, "from attn_backends.cli.main import main; main(['list'])")
+    listing = _run(site, isolated_cache, "from attn_backends_cli.main import main; main(['list'])")
     assert listing.returncode == 0, listing.stderr
     line = next(line for line in listing.stdout.splitlines() if line.startswith("thirdparty"))
     assert "VOID: the backend's code changed since it was certified" in line

@@ -106,7 +106,7 @@ def test_tiles_twins_and_long_cases() -> None:
 
 
 def test_quantized_twins_are_those_of_quantized_tiles() -> None:
-    from attn_backends import FEATURES, QUANTIZED_CACHE_DTYPES, Capabilities
+    from attn_backends.authoring import FEATURES, QUANTIZED_CACHE_DTYPES, Capabilities
     from attn_backends_contracts.cases import QUANTIZED, QUANTIZED_TILES
 
     assert QUANTIZED_TILES <= {c.name for c in QUANTIZED}  # a typo would drop twins
@@ -141,7 +141,7 @@ def test_suite_runs_tiles_twins_under_the_backends_small_tile_options() -> None:
 
 
 def test_float64_row_is_a_handful_of_cases_and_their_twins() -> None:
-    from attn_backends import CLAIMABLE_DTYPES, FEATURES, Capabilities
+    from attn_backends.authoring import CLAIMABLE_DTYPES, FEATURES, Capabilities
     from attn_backends_contracts.cases import QUICK_WIDE_SWEEP, WIDE_SWEEP
 
     caps = Capabilities(platforms={"cpu"}, dtypes=CLAIMABLE_DTYPES,

@@ -1,7 +1,7 @@
 """A small decoder-only transformer in flax nnx, trained on corpus.txt through the registry.
 
 Every attention layer is ``nnx.MultiHeadAttention`` with
-``attention_fn=attn_backends.flax.attention_fn(...)``: the model code is the
+``attention_fn=attn_backends_flax.attention_fn(...)``: the model code is the
 same whichever backend serves it. ``train(backend, steps)`` trains from one
 fixed initialisation on one fixed stream of batches, so the loss curves of
 different backends can be compared step by step; ``backend="flax"`` runs
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from attn_backends.flax import attention_fn
+from attn_backends_flax import attention_fn
 from flax import nnx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -335,8 +335,8 @@ def compare_tuned(table: str, steps: int, cfg: Config = Config(),
     runs then take their steps in turn on the same batches, so load on the
     machine falls on both alike.
     """
-    from attn_backends.cli.tune import signatures_of, tune
     from attn_backends.probe.tuning import environment, identity
+    from attn_backends_cli.tune import signatures_of, tune
 
     data, vocab = load_corpus()
     registry = registry if registry is not None else attn_backends.registry

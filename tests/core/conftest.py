@@ -13,6 +13,6 @@ def no_installed_plugins(monkeypatch):
     yield
     # A test here that reached the process-wide registry discovered nothing; later
     # tests of the same worker (outside tests/core) must discover the plugins.
-    from attn_backends._wiring import registry
+    from attn_backends.choose.registry import registry
 
     registry.reload()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from attn_backends.cli import bench as _bench
-from attn_backends.cli import main as _cli
+from attn_backends_cli import bench as _bench
+from attn_backends_cli import main as _cli
 
 SEQS = (384, 1000, 3072)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 from _support import make_backend
-from attn_backends.cli import report
 from attn_backends.probe import certificates, verdicts
+from attn_backends_cli import report
 
 OLD = {"backend": "aaa", "core": "ccc", "suite": "sss"}
 NEW = {"backend": "bbb", "core": "ccc", "suite": "sss"}

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attn_backends import AttentionCall, bind
+from attn_backends.authoring import CLAIMABLE_DTYPES
 
 Q = jnp.zeros((2, 6, 4, 8))
 K = jnp.zeros((2, 10, 2, 8))
@@ -172,7 +173,7 @@ def test_float64_reaches_only_a_backend_that_claims_it(fake_registry):
 
     narrow = make_backend("narrow", priority=9, attend=never)  # default dtypes: no float64
     wide = make_backend("wide", priority=1)
-    type(wide).capabilities = dataclasses.replace(wide.capabilities, dtypes=ab.CLAIMABLE_DTYPES)
+    type(wide).capabilities = dataclasses.replace(wide.capabilities, dtypes=CLAIMABLE_DTYPES)
     reg = fake_registry(narrow, wide)
     q = np.asarray(np.random.default_rng(0).standard_normal((1, 5, 2, 8)))
     with jax.enable_x64(True):

@@ -19,6 +19,7 @@ import jax
 import pytest
 from _support import every_warning_an_error, make_dist
 from attn_backends.choose import discovery as _discovery
+from attn_backends.contract.errors import PluginConflictError
 
 
 @pytest.fixture
@@ -118,7 +119,7 @@ def test_two_distributions_claiming_one_name_is_an_error_naming_both(tmp_path, m
     for path in reversed(paths):
         monkeypatch.syspath_prepend(str(path))
     with pytest.raises(
-        ab.PluginConflictError,
+        PluginConflictError,
         match=r"backend name 'dupe' is registered by several distributions: aaa-dist, zzz-dist",
     ):
         _ = ab.Registry(autoload=True).backends
@@ -233,7 +234,7 @@ def test_two_in_process_plugins_claiming_one_name_conflict():
     from _support import Plugin, make_backend
 
     with pytest.raises(
-        ab.PluginConflictError, match=r"backend name 'x' is registered by several plugins"
+        PluginConflictError, match=r"backend name 'x' is registered by several plugins"
     ):
         _ = ab.Registry(
             plugins=[Plugin(make_backend("x")), Plugin(make_backend("x"))], autoload=False

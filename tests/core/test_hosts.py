@@ -11,7 +11,8 @@ import warnings
 import attn_backends as ab
 import pytest
 from _support import Plugin, make_backend, qkv
-from attn_backends.choose.select import select
+from attn_backends.choose.select import Judging, select
+from attn_backends.contract.errors import AgreementWarning
 from attn_backends.parallel.hosts import Hosts, decide
 from attn_backends.probe import verdicts
 from attn_backends.probe.prober import Prober, environment_failure, probe_key
@@ -115,15 +116,15 @@ def _agree_in_threads(failing: list[set[str]], names: list[str], probe_all: bool
 
         def judge(probe_also=frozenset()):
             also = set(names) if probe_all else probe_also
-            return select(call, "cpu", backends, jax_version="0.12", probe=probe,
-                          probe_also=also)
+            return select(call, "cpu", backends,
+                          Judging(jax_version="0.12", probe=probe, probe_also=also))
 
         hosts = Hosts(store=store, process=i, count=len(failing), timeout_s=10)
         results[i] = (hosts(judge(), ("q",), judge).chosen, probed)
 
     threads = [threading.Thread(target=process, args=(i,)) for i in range(len(failing))]
     with warnings.catch_warnings():  # the filters are global: the threads see this one
-        warnings.simplefilter("ignore", ab.AgreementWarning)  # process 0 overrules others
+        warnings.simplefilter("ignore", AgreementWarning)  # process 0 overrules others
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -161,10 +162,10 @@ def test_different_jax_versions_are_refused_before_any_backend():
 
 
 def test_one_process_never_builds_the_agreement(monkeypatch):
-    def refuse():
+    def refuse(*args, **kwargs):
         raise AssertionError("the single-process path reached the agreement")
 
-    monkeypatch.setattr(ab._wiring, "host_agreement", refuse)
+    monkeypatch.setattr(ab.parallel.hosts.Hosts, "__init__", refuse)
     registry = ab.Registry(plugins=[Plugin(make_backend("x", priority=5))], autoload=False)
     q, k, v = qkv(b=1, tq=4, tk=4, hq=2, hkv=2, d=8)
     explanation = registry.get(device="cpu").explain(q, k, v)

@@ -8,7 +8,9 @@ Every import counts: module level, inside a function, and under ``TYPE_CHECKING`
 from __future__ import annotations
 
 import ast
+import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,12 +25,14 @@ DESIGN = ROOT / "docs" / "DESIGN.md"
 PACKAGES = [CORE, ROOT / "contracts/src/attn_backends_contracts",
             *sorted(ROOT.glob("plugins/*/src/attn_backend_*")),
             *sorted(ROOT.glob("examples/*/src/attn_backend_*"))]
+#: The interfaces over core, each a distribution of its own.
+INTERFACES = [ROOT / "cli/src/attn_backends_cli", ROOT / "flax_adapter/src/attn_backends_flax"]
 #: Most of core's modules ``import attn_backends`` may load (docs/DESIGN.md).
 IMPORT_BUDGET = 15
 
 
 def layer_table(text: str) -> dict[str, int]:
-    """``{"contract/": 1, "flax.py": 6, ...}`` from the table of "Core's layers"."""
+    """``{"contract/": 1, "probe/": 3, ...}`` from the table of "Core's layers"."""
     section = text.split("## 9. Core's layers", 1)[1]
     table: dict[str, int] = {}
     for line in section.splitlines():
@@ -146,7 +150,7 @@ def test_every_core_module_has_a_layer_and_no_import_climbs():
     table = layer_table(DESIGN.read_text())
     edges = graph(CORE)
     assert {"attn_backends.choose.attention", "attn_backends.parallel.sharded",
-            "attn_backends.probe.prober", "attn_backends.cli.main"} <= set(edges)
+            "attn_backends.probe.prober", "attn_backends.parallel.hosts"} <= set(edges)
     unplaced = []
     for module in edges:
         try:
@@ -157,7 +161,7 @@ def test_every_core_module_has_a_layer_and_no_import_climbs():
     assert climbing(edges, table) == []
 
 
-@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("package", PACKAGES + INTERFACES, ids=lambda p: p.name)
 def test_no_import_circle(package):
     assert cycles(graph(package)) == []
 
@@ -170,9 +174,9 @@ _FAKE = ("import sys\n"
          "autoload=False, probe=None)\n")
 
 
-def _run(code: str) -> dict:
+def _run(code: str, env: dict[str, str] | None = None) -> dict:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
+                         check=True, cwd=ROOT, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -199,6 +203,44 @@ def test_a_single_device_call_under_jit_never_imports_the_parallel_layer():
     assert [m for m in loaded if m.startswith("attn_backends.parallel")] == []
     # Nor what only multi-process runs need (one process here).
     assert "attn_backends.choose.local" not in loaded
+
+
+#: Most of core's modules a plain call loads once its verdict is on disk.
+PLAIN_CALL_BUDGET = 22
+#: What reads a stored verdict: all of judging a plain call may load.
+VERDICT_READERS = {"attn_backends.probe", "attn_backends.probe.prober",
+                   "attn_backends.probe.call", "attn_backends.probe.digests",
+                   "attn_backends.probe.store", "attn_backends.probe.verdicts",
+                   "attn_backends.probe.certificates"}
+
+
+def test_a_plain_call_with_its_verdict_on_disk_is_a_straight_line(tmp_path):
+    # Core's probe on (the default), one cache folder for both processes: the
+    # first probes and stores the verdict, the second reads it.
+    code = ("import os, jax, jax.numpy as jnp\nimport attn_backends\n"
+            + _FAKE.replace(", probe=None", "") +
+            "att = registry.get(device='cpu')\n"
+            "q = jnp.ones((2, 8, 4, 16)); k = v = jnp.ones((2, 8, 2, 16))\n"
+            "att(q, k, v, causal=True).block_until_ready()\n"
+            "assert att.explain(q, k, v, causal=True).verdicts[0].probed\n"
+            "import sys\nassert not [m for m in sys.modules if m.startswith("
+            "('attn_backends_cli', 'attn_backends_flax'))]\n"
+            + _LOADED + "print(json.dumps(loaded))")
+    env = {**os.environ, "ATTN_BACKENDS_CACHE_DIR": str(tmp_path)}
+    first = _run(code, env)
+    loaded = _run(code, env)
+    assert "attn_backends.probe.oracle" in first  # the first process probed
+    assert len(loaded) <= PLAIN_CALL_BUDGET, loaded
+    judging = {m for m in loaded if m.split(".")[1:2] == ["probe"]}
+    assert judging <= VERDICT_READERS, judging - VERDICT_READERS
+    assert [m for m in loaded if m.split(".")[1:2] == ["parallel"]
+            or "paged" in m or "tolerances" in m or "oracle" in m] == []
+
+
+def test_select_takes_at_most_six_parameters():
+    from attn_backends.choose.select import select
+
+    assert len(inspect.signature(select).parameters) <= 6
 
 
 def test_a_sharded_input_reaches_the_parallel_layer():

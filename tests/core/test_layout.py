@@ -8,17 +8,14 @@ that q, k, v are BHTD, the ValueError says so and names ``layout=``.
 
 from __future__ import annotations
 
-import types
-
 import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _support import make_backend, qkv
-from attn_backends import oracle
-from attn_backends.choose.registry import Registry
-from attn_backends.cli.main import main
+from attn_backends import Registry, hookimpl, oracle
+from attn_backends_cli.main import main
 from attn_backends_contracts.hlo import compiled_instructions
 from jax.sharding import PartitionSpec as P
 
@@ -76,7 +73,7 @@ def test_explain_reads_the_same_layout(fake_registry):
 
 def test_cli_explain_takes_a_layout(capsys, monkeypatch):
     registry = ab.Registry(plugins=[_plugin()], autoload=False, probe=None)
-    monkeypatch.setattr(ab._wiring, "registry", registry)
+    monkeypatch.setattr(ab.choose.registry, "registry", registry)
     argv = ["explain", "--device", "cpu", "--q", "2,8,128,64", "--kv", "2,2,96,64", "--mask"]
     assert main([*argv, "--layout", "BHTD"]) == 0
     assert "q[2,128,8,64] kv[2,96,2,64/64] float32 gqa mask" in capsys.readouterr().out
@@ -122,9 +119,14 @@ def test_bad_layouts_are_refused_by_name(fake_registry):
 
 def test_a_bhtd_spec_reaches_the_parallel_layer_in_btnh_order():
     requests = []
-    parallel = types.SimpleNamespace(request=lambda *args: requests.append(args) or args)
-    registry = Registry(plugins=[_plugin()], autoload=False, probe=None,
-                        parallel=lambda: parallel)
+
+    class Parallel:
+        @hookimpl
+        def attn_backends_sharding_request(self, mesh, spec, sequence_axis, ring_block):
+            requests.append((mesh, spec, sequence_axis, ring_block))
+            return spec
+
+    registry = Registry(plugins=[_plugin(), Parallel()], autoload=False, probe=None)
     registry.get(layout="BHTD", spec=P("dp", "tp"))
     registry.get(spec=P("dp", "tp"))
     assert [r[1] for r in requests] == [P("dp", None, "tp", None), P("dp", "tp")]

@@ -52,7 +52,8 @@ def two(monkeypatch):
     store = Silent()
     registry = choosing.Registry(
         plugins=[Plugin(make_backend("x", priority=5), make_paged_backend("p", priority=1))],
-        autoload=False, agree=Hosts(store=store, process=0, count=2, timeout_s=0.05))
+        autoload=False)
+    registry.features.replace("hosts", Hosts(store=store, process=0, count=2, timeout_s=0.05))
     return registry, store
 
 

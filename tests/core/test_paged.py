@@ -85,7 +85,7 @@ def test_manifest_and_check_paged_reasons(fake_registry):
 
 
 def test_explain_paged_on_the_command_line(fake_registry, monkeypatch, capsys):
-    from attn_backends.cli import main as cli
+    from attn_backends_cli import main as cli
 
     reg = fake_registry(make_paged_backend("pg"), make_backend("dense_only"))
     monkeypatch.setattr(cli, "_registry", lambda: reg)

@@ -17,8 +17,8 @@ import attn_backends as ab
 import jax.extend.backend
 import pytest
 from _support import make_dist, qkv
-from attn_backends.cli import main as cli
 from attn_backends.contract import environment
+from attn_backends_cli import main as cli
 
 NEURON_BACKEND = '''
 from attn_backends import Backend, Capabilities

@@ -15,6 +15,7 @@ from _support import dense, make_backend, qkv
 from attn_backends import oracle
 from attn_backends.choose import attention as _attention
 from attn_backends.contract import jax_api
+from attn_backends.contract.errors import UnknownBackendError
 from attn_backends_contracts.hlo import compiled_instructions
 
 
@@ -31,7 +32,7 @@ def test_strict_backend_never_falls_back_and_gives_its_reasons(fake_registry):
 
 def test_unknown_backend_name_lists_installed(fake_registry):
     reg = fake_registry(make_backend("one"), make_backend("two"))
-    with pytest.raises(ab.UnknownBackendError, match=r"backend='three'.*installed: one, two"):
+    with pytest.raises(UnknownBackendError, match=r"backend='three'.*installed: one, two"):
         reg.get(device="cpu", backend="three")
 
 

@@ -1,11 +1,12 @@
-"""select() is a plain function of (call, platform, backends, prefer, probe)."""
+"""select() is a plain function of (call, platform, backends, judging)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from _support import make_backend
-from attn_backends import bind, select
+from attn_backends import bind
+from attn_backends.choose.select import Judging, select
 
 SDS = jax.ShapeDtypeStruct
 CALL, _ = bind(SDS((1, 8, 4, 64), jnp.float32), SDS((1, 8, 2, 64), jnp.float32),
@@ -13,7 +14,7 @@ CALL, _ = bind(SDS((1, 8, 4, 64), jnp.float32), SDS((1, 8, 2, 64), jnp.float32),
 
 
 def _select(backends, **kw):
-    return select(CALL, "cpu", backends, jax_version="0.10.2", **kw)
+    return select(CALL, "cpu", backends, Judging(jax_version="0.10.2", **kw))
 
 
 def test_highest_priority_survivor_wins_and_order_is_explained():

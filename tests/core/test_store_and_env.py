@@ -24,12 +24,12 @@ import attn_backends as ab
 import pytest
 from _support import make_backend
 from attn_backends.choose.discovery import Settings
-from attn_backends.cli.main import main
 from attn_backends.contract.environment import cache_dir, env_setting
 from attn_backends.probe import certificates as _certificates
 from attn_backends.probe import prober as _probe
 from attn_backends.probe import store as _store
 from attn_backends.probe import verdicts as _verdicts
+from attn_backends_cli.main import main
 
 CORE_SRC = Path(ab.__file__).parent
 
@@ -50,9 +50,9 @@ def _cache() -> object:
 
 
 def _tuning() -> object:
-    from attn_backends.probe.tuning import table_path
+    from attn_backends.contract.environment import tuning_table
 
-    return table_path(None)
+    return tuning_table(None)
 
 
 def _agree_timeout() -> object:
@@ -103,15 +103,17 @@ def test_a_bad_value_is_an_error_naming_the_variable_what_it_read_and_what_it_ta
 def test_the_table_above_holds_every_variable_core_reads_and_only_the_helper_reads_them():
     read = set()
     readers = set()
-    for path in CORE_SRC.rglob("*.py"):
-        text = path.read_text()
-        read |= set(re.findall(r'"(ATTN_BACKENDS_[A-Z][A-Z_]*)"', text))
-        if re.search(r"os\.environ|os\.getenv|getenv\(", text):
-            readers.add(path.relative_to(CORE_SRC).as_posix())
+    cli = CORE_SRC.parents[2] / "cli" / "src" / "attn_backends_cli"
+    for root in (CORE_SRC, cli):
+        for path in root.rglob("*.py"):
+            text = path.read_text()
+            read |= set(re.findall(r'"(ATTN_BACKENDS_[A-Z][A-Z_]*)"', text))
+            if re.search(r"os\.environ|os\.getenv|getenv\(", text):
+                readers.add(f"{root.name}/{path.relative_to(root).as_posix()}")
     assert read == set(SETTINGS)
     # environment.py holds the helper (and reads XDG_CACHE_HOME); report.py
     # only lists the variables set, for `attn-backends doctor`.
-    assert readers == {"contract/environment.py", "cli/report.py"}
+    assert readers == {"attn_backends/contract/environment.py", "attn_backends_cli/report.py"}
 
 
 def test_good_values_still_read(monkeypatch, tmp_path):
@@ -197,7 +199,7 @@ def test_the_cli_reports_a_bad_variable_as_a_message(capsys, monkeypatch):
     monkeypatch.setenv("ATTN_BACKENDS_STRICT", "sometimes")
     registry = ab.Registry()
     monkeypatch.setattr(ab, "registry", registry)
-    monkeypatch.setattr(ab._wiring, "registry", registry)
+    monkeypatch.setattr(ab.choose.registry, "registry", registry)
     assert main(["list"]) == 2
     assert capsys.readouterr().err == (
         "attn-backends list: ATTN_BACKENDS_STRICT: expected 1/0 (or true/false, yes/no, on/off), "

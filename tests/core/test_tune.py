@@ -1,4 +1,4 @@
-"""`attn-backends tune`'s measuring (core/src/attn_backends/cli/tune.py) with a
+"""`attn-backends tune`'s measuring (cli/src/attn_backends_cli/tune.py) with a
 scripted timer: who is a candidate, the margin rule applied, a failing or
 quarantined candidate, what an entry records; and the real timer once, whose
 result is checked for structure only."""
@@ -9,8 +9,8 @@ import attn_backends as ab
 import jax.numpy as jnp
 import pytest
 from _support import Plugin, dense, make_backend
-from attn_backends.cli.tune import Signature, TuneWarning, tune, tune_one, wall_clock
 from attn_backends.probe.tuning import TuningTable, environment, identity, lookup
+from attn_backends_cli.tune import Signature, TuneWarning, tune, tune_one, wall_clock
 
 CALL = ab.AttentionCall(batch=2, q_len=8, kv_len=8, q_heads=4, kv_heads=2, head_dim=8,
                         v_head_dim=8, dtype="float32", scale=8 ** -0.5, causal=True)

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _support import Plugin, dense, make_backend, qkv
-from attn_backends.cli.tune import Signature, tune
-from attn_backends.probe.tuning import TABLE_NAME, TuningWarning, environment, identity
+from attn_backends.contract.environment import TABLE_NAME
+from attn_backends.probe.tuning import TuningWarning, environment, identity
+from attn_backends_cli.tune import Signature, tune
 
 Q, K, V = qkv(b=2, tq=8, tk=8, hq=4, hkv=2, d=8)
 CALL, _ = ab.bind(Q, K, V, causal=True)

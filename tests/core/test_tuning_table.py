@@ -16,7 +16,7 @@ import pytest
 from attn_backends import AttentionCall
 from attn_backends.probe.tuning import (
     BUCKET_RULE,
-    Entry,
+    TableEntry,
     TableError,
     Timing,
     TuningTable,
@@ -44,10 +44,10 @@ def timing(median: float, spread: float = 0.0) -> Timing:
 
 
 def entry(c: AttentionCall, winner: str = "example_dense", grad: bool = True,
-          ids: dict | None = None) -> Entry:
+          ids: dict | None = None) -> TableEntry:
     ids = IDS if ids is None else ids
     timing = {"median_s": 1.0, "spread_s": 0.01, "compile_s": 2.0, "rounds": 5}
-    return Entry(shape_class(c, grad), default="xla_native", winner=winner, reason="measured",
+    return TableEntry(shape_class(c, grad), default="xla_native", winner=winner, reason="measured",
                  margin=0.05, candidates={n: {**i, **timing} for n, i in ids.items()},
                  measured_at="2026-12-02T03:00:00Z")
 

@@ -198,7 +198,7 @@ def train_step(result: dict[str, Any]) -> None:
     import flax.linen as nn
     import jax.numpy as jnp
     import numpy as np
-    from attn_backends.flax import attention_fn
+    from attn_backends_flax import attention_fn
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 

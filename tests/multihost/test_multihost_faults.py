@@ -53,8 +53,8 @@ def test_a_host_whose_cache_quarantines_the_choice_moves_all(tmp_path):
 def _tuning_table(path) -> None:
     """A table measuring example_dense fastest for the workers' call (scripted times)."""
     import attn_backends as ab
-    from attn_backends.cli.tune import Signature, tune
     from attn_backends.probe.tuning import environment, identity
+    from attn_backends_cli.tune import Signature, tune
 
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, 32, 4, 16)).astype(np.float32)

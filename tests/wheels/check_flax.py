@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attn_backends.flax import attention_fn
+from attn_backends_flax import attention_fn
 
 heads, features, t = 4, 32, 9
 rng = np.random.default_rng(0)

@@ -10,7 +10,7 @@
 #   `attn-backends check reference --quick`, and
 #   every tests/wheels/check_*.py (add a check for this install there, and
 #   any extra it needs to full_extras below).
-# --variant xla: `attn-backends[xla]` only (core + xla_native, no reference,
+# --variant xla: `attn-backends[xla,cli]` only (core + xla_native + the CLI, no reference,
 #   no suite); checks `list` and one call served by xla_native.
 # --wheel FILE.whl: also install this wheel (say, a third-party backend a
 #   test built); repeatable.
@@ -84,7 +84,7 @@ if [ "$variant" = full ]; then
     expected="reference xla_native"
 else
     # The extra must name the backend's distribution: pip finds it in dist/.
-    "${pip_install[@]}" "$(wheel_of attn_backends)[xla]" \
+    "${pip_install[@]}" "$(wheel_of attn_backends)[xla,cli]" \
         ${extra_wheels[@]+"${extra_wheels[@]}"}
     expected="xla_native"
 fi

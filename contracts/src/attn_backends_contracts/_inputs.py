@@ -11,8 +11,8 @@ import contextlib
 import zlib
 from typing import Any
 
-import attn_backends
 import numpy as np
+from attn_backends.authoring import CLAIMABLE_DTYPES, DTYPES
 
 from ._case import GARBAGE, Case
 
@@ -23,7 +23,7 @@ def _rng(case: Case, salt: str = "") -> np.random.Generator:
 
 #: Dtypes a manifest may claim beyond the default ones: float64, which JAX
 #: computes only under x64.
-WIDE_DTYPES = attn_backends.CLAIMABLE_DTYPES - attn_backends.DTYPES
+WIDE_DTYPES = CLAIMABLE_DTYPES - DTYPES
 
 
 def wide(dtype: str) -> bool:

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from attn_backends.authoring import CLAIMABLE_DTYPES, PLATFORMS, QUANTIZED_CACHE_DTYPES
+from attn_backends.contract.environment import platform_name
 
 from ._inputs import wide, x64_for
 from .cases import Case, cases_for, make_inputs
@@ -87,10 +89,9 @@ def load_object(spec: str) -> Any:
 
 def local_platform() -> str:
     """The contract's name of JAX's default platform here."""
-    import attn_backends
     import jax
 
-    return attn_backends.platform_name(jax.default_backend())
+    return platform_name(jax.default_backend())
 
 
 class Suite:
@@ -242,9 +243,9 @@ class Suite:
 
         caps = self.caps
         out = [("feature", f) for f in attn_backends.FEATURES if f not in caps.features]
-        out += [("dtype", d) for d in sorted(attn_backends.CLAIMABLE_DTYPES - caps.dtypes)]
-        out += [("platform", p) for p in sorted(attn_backends.PLATFORMS - caps.platforms)]
-        out += [("kv_dtype", d) for d in attn_backends.QUANTIZED_CACHE_DTYPES
+        out += [("dtype", d) for d in sorted(CLAIMABLE_DTYPES - caps.dtypes)]
+        out += [("platform", p) for p in sorted(PLATFORMS - caps.platforms)]
+        out += [("kv_dtype", d) for d in QUANTIZED_CACHE_DTYPES
                 if d not in caps.kv_dtypes]
         rejected = next((d for d in range(1, 4097) if caps.head_dims.reasons(d, "d")), None)
         if rejected is not None:

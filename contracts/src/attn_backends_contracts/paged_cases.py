@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from attn_backends.authoring import CLAIMABLE_DTYPES, PAGED_FEATURES, QUANTIZED_CACHE_DTYPES
 from attn_backends.oracle import PagedCase, paged_case
 
 from ._paged_case import PagedSuiteCase
@@ -58,7 +59,7 @@ AS_DECODE_KINDS = ("attend", "store")
 
 def not_applicable(backend: Any, platform: str) -> str | None:
     """Why the family does not apply to ``backend`` on ``platform`` (None: it does)."""
-    from attn_backends import PagedBackend
+    from attn_backends.authoring import PagedBackend
 
     if not isinstance(backend, PagedBackend):
         return (f"backend {backend.name!r} has no paged support (it does not implement "
@@ -245,11 +246,10 @@ def paged_unclaimed(backend: Any) -> list[tuple[str, str]]:
     must refuse: features, dtypes, a page size, a head dim, a ``max_q_len`` past
     the manifest's, a quantized cache dtype; and ("gradient", "q") always (paged
     attention has none)."""
-    import attn_backends
 
     pcaps = backend.paged_capabilities
-    out = [("feature", f) for f in attn_backends.PAGED_FEATURES if f not in pcaps.features]
-    out += [("dtype", dt) for dt in sorted(attn_backends.CLAIMABLE_DTYPES - pcaps.dtypes)]
+    out = [("feature", f) for f in PAGED_FEATURES if f not in pcaps.features]
+    out += [("dtype", dt) for dt in sorted(CLAIMABLE_DTYPES - pcaps.dtypes)]
     if pcaps.page_sizes is not None:
         out.append(("page_size", str(next(n for n in range(1, 10**6)
                                           if n not in pcaps.page_sizes))))
@@ -258,7 +258,7 @@ def paged_unclaimed(backend: Any) -> list[tuple[str, str]]:
         out.append(("head_dim", str(rejected)))
     if pcaps.max_q_len is not None:
         out.append(("max_q_len", str(pcaps.max_q_len + 1)))
-    out += [("cache_dtype", dt) for dt in attn_backends.QUANTIZED_CACHE_DTYPES
+    out += [("cache_dtype", dt) for dt in QUANTIZED_CACHE_DTYPES
             if dt not in pcaps.cache_dtypes]
     out.append(("gradient", "q"))
     return out

@@ -1,53 +1,37 @@
 """attn-backends: swappable, provable JAX attention.
 
 Public surface only; the implementation lives in the layer packages (``contract``,
-``choose``, ``probe``, ``parallel``, ``cli``), lowest first.
+``choose``, ``probe``, ``parallel``), lowest first. What a backend imports is in
+:mod:`attn_backends.authoring`.
 """
 
-from ._wiring import Registry, registry
+import importlib
+import warnings
+
 from .choose.attention import Attention
-from .choose.discovery import LoadProblem, Origin
-from .choose.select import Explanation, Verdict, select
+from .choose.registry import Registry, registry
+from .choose.select import Explanation, Verdict
 from .contract.backend import ENTRY_POINT_GROUP, Backend, hookimpl
 from .contract.call import API_VERSION, FEATURES, AttentionCall, Operands
-from .contract.capabilities import CLAIMABLE_DTYPES, DTYPES, PLATFORMS, Capabilities, HeadDims
-from .contract.environment import env_flag, local_work, platform_name
+from .contract.capabilities import Capabilities, HeadDims
+from .contract.environment import local_work
 from .contract.errors import (
     AgreementError,
-    AgreementWarning,
     AttnBackendsError,
     AttnBackendsWarning,
     FallbackWarning,
     NoBackendError,
     PlatformUnavailableError,
-    PluginConflictError,
     PluginError,
     PluginWarning,
-    UnknownBackendError,
     UnsupportedError,
-)
-from .contract.paged import (
-    CANONICAL_LAYOUT,
-    PAGED_FEATURES,
-    QUANTIZED_CACHE_DTYPES,
-    KVCache,
-    PagedBackend,
-    PagedBatch,
-    PagedCall,
-    PagedCapabilities,
 )
 
 __all__ = [
     "API_VERSION",
-    "CANONICAL_LAYOUT",
-    "CLAIMABLE_DTYPES",
-    "DTYPES",
     "ENTRY_POINT_GROUP",
     "FEATURES",
-    "PLATFORMS",
-    "QUANTIZED_CACHE_DTYPES",
     "AgreementError",
-    "AgreementWarning",
     "Attention",
     "AttentionCall",
     "AttnBackendsError",
@@ -58,37 +42,49 @@ __all__ = [
     "FallbackWarning",
     "HeadDims",
     "KVCache",
-    "LoadProblem",
     "NoBackendError",
     "Operands",
-    "Origin",
-    "PAGED_FEATURES",
     "PagedBackend",
     "PagedBatch",
     "PagedCall",
     "PagedCapabilities",
     "PlatformUnavailableError",
-    "PluginConflictError",
     "PluginError",
     "PluginWarning",
     "Registry",
-    "UnknownBackendError",
     "UnsupportedError",
     "Verdict",
     "bind",
-    "env_flag",
     "hookimpl",
     "local_work",
-    "platform_name",
     "registry",
-    "select",
 ]
+
+#: Public names loaded on first use, not at import: the argument checks and the
+#: paged contract (a dense call never loads it).
+_LAZY = {"bind": "attn_backends.contract.arguments",
+         **dict.fromkeys(("KVCache", "PagedBackend", "PagedBatch", "PagedCall",
+                          "PagedCapabilities"), "attn_backends.contract.paged")}
+
+#: Names this module exported before 0.2, now in their own modules (a
+#: DeprecationWarning names the new place; they go in 0.3).
+MOVED = {
+    **dict.fromkeys(("DTYPES", "CLAIMABLE_DTYPES", "PLATFORMS", "CANONICAL_LAYOUT",
+                     "PAGED_FEATURES", "QUANTIZED_CACHE_DTYPES", "env_flag"),
+                    "attn_backends.authoring"),
+    **dict.fromkeys(("AgreementWarning", "PluginConflictError", "UnknownBackendError"),
+                    "attn_backends.contract.errors"),
+    "select": "attn_backends.choose.select",
+    "platform_name": "attn_backends.contract.environment",
+    **dict.fromkeys(("LoadProblem", "Origin"), "attn_backends.choose.discovery"),
+}
 
 
 def __getattr__(name: str) -> object:
-    """``attn_backends.bind`` loads the argument checks on first use, not at import."""
-    if name == "bind":
-        from .contract.arguments import bind
-
-        return bind
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in MOVED:
+        warnings.warn(f"attn_backends.{name} moved to {MOVED[name]}.{name}; the old name "
+                      "goes in attn-backends 0.3", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(MOVED[name]), name)
     raise AttributeError(f"module 'attn_backends' has no attribute {name!r}")

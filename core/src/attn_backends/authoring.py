@@ -1,8 +1,17 @@
-"""Helpers for backend authors: what several plugins would otherwise each write again.
+"""What a backend imports: the plugin API and the helpers several plugins would
+otherwise each write again, in one module.
 
 Public as ``attn_backends.authoring``; not imported by ``import attn_backends``.
-Every helper is optional: a backend is a :class:`attn_backends.Backend`
-subclass with a :class:`attn_backends.Capabilities` manifest either way.
+The plugin API: :class:`Backend`, its :class:`Capabilities` manifest
+(:class:`HeadDims`, the names in :data:`FEATURES`, :data:`DTYPES`,
+:data:`CLAIMABLE_DTYPES`, :data:`PLATFORMS`), :data:`hookimpl`, the call it gets
+(:class:`AttentionCall`, :class:`Operands`), the paged contract
+(:class:`PagedBackend`, :class:`PagedCapabilities`, :class:`PagedCall`,
+:class:`PagedBatch`, :class:`KVCache`, :data:`CANONICAL_LAYOUT`,
+:data:`PAGED_FEATURES`, :data:`QUANTIZED_CACHE_DTYPES` and their ranges,
+:data:`LARGEST`) and
+:class:`UnsupportedError`. Every helper is optional: a backend is a
+:class:`Backend` subclass with a :class:`Capabilities` manifest either way.
 
 - :func:`manifest`: a ``Capabilities`` claiming a set of feature names.
 - :func:`distribution_version`: a distribution's installed version, with a
@@ -50,16 +59,47 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from .contract import heads_first, jax_api
-from .contract.call import FEATURES, AttentionCall
-from .contract.capabilities import Capabilities
-from .contract.environment import env_flag, vary_like
+from .contract.backend import Backend, hookimpl
+from .contract.call import DTYPES, FEATURES, QUANTIZED_CACHE_DTYPES, AttentionCall, Operands
+from .contract.capabilities import CLAIMABLE_DTYPES, Capabilities, HeadDims
+from .contract.environment import PLATFORMS, env_flag, vary_like
 from .contract.errors import UnsupportedError
 from .contract.heads_first import HeadsFirstPagedBackend
-from .contract.paged import PagedCall, PagedCapabilities, canonical_write
-from .contract.paged_quantize import dequantize, quantize
+from .contract.paged import (
+    CANONICAL_LAYOUT,
+    PAGED_FEATURES,
+    KVCache,
+    PagedBackend,
+    PagedBatch,
+    PagedCall,
+    PagedCapabilities,
+    canonical_write,
+)
+from .contract.paged_quantize import LARGEST, dequantize, quantize
 
 __all__ = [
+    "CANONICAL_LAYOUT",
+    "CLAIMABLE_DTYPES",
+    "LARGEST",
+    "DTYPES",
+    "FEATURES",
+    "PAGED_FEATURES",
+    "PLATFORMS",
+    "QUANTIZED_CACHE_DTYPES",
     "UNKNOWN_VERSION",
+    "AttentionCall",
+    "Backend",
+    "Capabilities",
+    "HeadDims",
+    "KVCache",
+    "Operands",
+    "PagedBackend",
+    "PagedBatch",
+    "PagedCall",
+    "PagedCapabilities",
+    "UnsupportedError",
+    "env_flag",
+    "hookimpl",
     "HeadsFirstPagedBackend",
     "InterpretSwitch",
     "PagedDense",

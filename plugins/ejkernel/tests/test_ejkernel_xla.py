@@ -49,7 +49,7 @@ def test_neither_import_nor_list_imports_ejkernel_nor_does_a_call_change_jax() -
     """ejkernel's import points JAX's compilation cache at ~/.cache/ejkernel-cache
     and sets two environment variables; the first call imports it and undoes that."""
     code = ("import os, sys, attn_backends, jax, jax.numpy as jnp\n"
-            "from attn_backends.cli.main import main\n"
+            "from attn_backends_cli.main import main\n"
             "assert 'ejkernel_xla' in attn_backends.registry.backends\n"
             "main(['list'])\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ejkernel'))\n"

@@ -33,7 +33,7 @@ def test_loading_says_nothing_and_list_names_the_refusal(capsys) -> None:
     # (Named in ATTN_BACKENDS_ONLY, loading warns: tests/core/test_discovery.py.)
     import warnings
 
-    from attn_backends.cli.main import main
+    from attn_backends_cli.main import main
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a user of other backends sees no warning

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     if reason is not None:
         raise SystemExit(f"run_suite.py: the library at {library} did not load: {reason}")
     print(f"native_cpu: suite against {library} ({_library.kernel_isa()} kernels)", flush=True)
-    from attn_backends.cli.main import main as cli
+    from attn_backends_cli.main import main as cli
 
     # --capture=sys: pytest captures Python's streams only, so a sanitizer's
     # report (written to file descriptor 2 just before it aborts) is seen.

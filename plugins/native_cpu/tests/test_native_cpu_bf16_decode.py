@@ -22,6 +22,7 @@ import attn_backends as ab
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attn_backends.authoring import QUANTIZED_CACHE_DTYPES
 from attn_backends.oracle import paged_case
 from attn_backends.tolerances import compare, tolerance
 
@@ -37,7 +38,7 @@ SHAPES = [pytest.param(8, 2, 128, {}, id="gqa4-d128"),
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d", "call"), SHAPES)
-@pytest.mark.parametrize("cache_dtype", ab.QUANTIZED_CACHE_DTYPES)
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_CACHE_DTYPES)
 def test_bfloat16_decode_over_a_quantized_cache_matches_the_oracle(
         cache_dtype: str, hq: int, hkv: int, d: int, call: dict) -> None:
     case = paged_case(SEQS, page_size=16, hq=hq, hkv=hkv, d=d, seed=3,

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from attn_backends.authoring import QUANTIZED_CACHE_DTYPES
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("heads", [2, 16], ids=["decode-tile", "prefill-tile"])
-@pytest.mark.parametrize("cache_dtype", ab.QUANTIZED_CACHE_DTYPES)
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_CACHE_DTYPES)
 def test_every_byte_reads_as_its_format_says(cache_dtype: str, heads: int, dtype: str) -> None:
     paged = ab.Registry(probe=None).get_paged(
         device="cpu", backend="native_cpu", num_q_heads=heads, num_kv_heads=1, head_dim=128,

@@ -43,7 +43,7 @@ def test_distribution_pins_the_certified_tokamax_and_registers_every_backend():
 def test_import_and_list_do_not_import_tokamax():
     code = (
         "import sys, attn_backends\n"
-        "from attn_backends.cli.main import main\n"
+        "from attn_backends_cli.main import main\n"
         "assert main(['list']) == 0\n"
         "ab = attn_backends.Registry(only=['tokamax_xla', 'tokamax_mosaic_tpu', 'tokamax_triton',"
         " 'tokamax_mosaic_gpu'], probe=None)\n"

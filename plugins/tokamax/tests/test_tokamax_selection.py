@@ -12,7 +12,7 @@ import re
 import attn_backends as ab
 import pytest
 from _support import load_example
-from attn_backends.cli.main import main
+from attn_backends_cli.main import main
 
 QUICK = ["--rounds", "1", "--runs", "1", "--warmup", "1"]
 CALL = ["--q", "1,8,2,8", "--kv", "1,8,1,8", "--causal"]
@@ -26,7 +26,7 @@ def ours_and_tokamax(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTN_BACKENDS_ONLY", ONLY)
     monkeypatch.setenv("ATTN_BACKENDS_CACHE_DIR", str(tmp_path / "cache"))
     registry = attn_backends.Registry()
-    monkeypatch.setattr(attn_backends._wiring, "registry", registry)
+    monkeypatch.setattr(attn_backends.choose.registry, "registry", registry)
     monkeypatch.setattr(attn_backends, "registry", registry)
 
 

@@ -21,8 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from attn_backends.authoring import LARGEST
 from attn_backends.oracle import dequantize_rows
-from attn_backends.probe.paged_inputs import QUANTIZED_LARGEST, half_step
+from attn_backends.probe.paged_inputs import half_step
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -47,7 +48,7 @@ def check_quantized_write(paged: Any, batch: Any, case_id: str) -> None:
     """Assert the quantizer's rule on ``paged.write`` over ``batch``'s pool (a
     quantized case with garbage in its unused slots)."""
     cache_dtype = paged.call.cache_dtype
-    largest = QUANTIZED_LARGEST[cache_dtype]
+    largest = LARGEST[cache_dtype]
     hkv, d = paged.call.kv_heads, paged.call.head_dim
     assert batch.slots.size >= 4, f"{case_id}: the store case needs 4 tokens"
     pad = np.array([-1, -2, -(2**30)], np.int32)

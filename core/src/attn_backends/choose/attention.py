@@ -3,8 +3,8 @@
 A single-device call is a straight line: :func:`bind`, selection (once per call
 signature, cached), :class:`Served`. An input laid out on a mesh, or an attention
 got with ``mesh=``, ``spec=`` or ``sequence_axis=``, is handed to the parallel
-layer, which sits above this one: it arrives as a loader (``parallel``) and gets
-back from here only :class:`SingleDevice`, the callables it needs.
+layer, which sits above this one, through its hooks (contract/backend.py), with only
+:class:`SingleDevice`, the callables it needs.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall, Operands
-from ..contract.environment import is_sharded, process_count, varying_axes
+from ..contract.environment import is_sharded, process_count, tuning_table, varying_axes
 from ..contract.errors import (
     AgreementError,
     FallbackWarning,
@@ -30,7 +30,6 @@ from ..contract.errors import (
     UnsupportedError,
     warn,
 )
-from .discovery import Origin
 from .dispatch import (
     Served,
     by_pass,
@@ -39,7 +38,7 @@ from .dispatch import (
     single_device_only,
     unavailable_message,
 )
-from .select import LOCAL_WORK, Agree, Explanation, Measured, Probe, Tuning, record, select
+from .select import LOCAL_WORK, Explanation, Judging, Measured, record, select
 
 #: Distinct call signatures one Attention remembers; older ones are evicted.
 SELECTION_CACHE_SIZE = 512
@@ -54,8 +53,8 @@ class SingleDevice:
     """The single-device selection the parallel layer wraps, as callables.
 
     - ``platforms``: the platforms this attention serves (the first is its own);
-    - ``explain(call, call_for=None, *, calls_for=None, reasons_for=None)``: every
-      backend's verdict (:func:`select`'s judging arguments);
+    - ``explain(call, *, calls_for=None, reasons_for=None)``: every backend's
+      verdict (:class:`~attn_backends.choose.select.Judging`'s fields of those names);
     - ``choose(call, key, explain)``: the backend for ``call`` under the extra
       cache ``key`` (a layout), running ``explain()`` and the fallback policy on
       first sight only;
@@ -74,36 +73,6 @@ class SingleDevice:
     served: Callable[[Backend], Served]
     backend: Callable[[str], Backend]
     on: Callable[[Any], SingleDevice]
-
-
-class Backends(Protocol):
-    """What an Attention reads of its registry (:class:`~attn_backends.Registry`)."""
-
-    backends: dict[str, Backend]
-    origins: dict[str, Origin]
-    probe: Probe | None
-    #: Reads tuning tables (None: selection never consults one).
-    tuning: Tuning | None
-    #: Agrees on one choice across the processes of a multi-process run (None:
-    #: each process chooses alone).
-    agree: Agree | None
-    #: Bumped on every reload, so selections made before it are dropped.
-    generation: int
-
-    def backend(self, name: str) -> Backend: ...
-
-
-class ParallelLayer(Protocol):
-    """What the choosing layer calls in the parallel layer (``attn_backends.parallel``)."""
-
-    def request(self, mesh: Any, spec: Any, sequence_axis: str | None,
-                ring_block: int | None) -> Hashable: ...
-
-    def run(self, single: SingleDevice, request: Hashable | None, call: AttentionCall,
-            q: Any, k: Any, v: Any, operands: Operands) -> Any: ...
-
-    def explain(self, single: SingleDevice, request: Hashable | None, call: AttentionCall,
-                q: Any, k: Any, v: Any) -> Explanation: ...
 
 
 class Attention:
@@ -128,7 +97,7 @@ class Attention:
 
     def __init__(
         self,
-        registry: Backends,
+        registry: Any,
         *,
         platforms: tuple[tuple[str, bool], ...],
         backend: str | None,
@@ -136,7 +105,6 @@ class Attention:
         fallback: str,
         backend_options: dict[str, Any],
         sharding: Hashable | None = None,
-        parallel: Callable[[], ParallelLayer] | None = None,
         layout: str = "BTNH",
         tuning: Any = None,
     ):
@@ -145,6 +113,7 @@ class Attention:
                 f"layout: expected one of {LAYOUTS} (the axes of q, k, v and the output: "
                 f"BTNH = [B, T, H, D], BHTD = [B, H, T, D]), got {layout!r}"
             )
+        #: The :class:`~attn_backends.Registry` it selects from.
         self.registry = registry
         #: The axes of q, k, v and the output this attention takes and returns.
         self.layout = layout
@@ -157,7 +126,6 @@ class Attention:
         self.backend_options = backend_options
         #: The parallel layer's request (None: lay out by the inputs' own sharding).
         self.sharding = sharding
-        self._parallel = parallel
         #: The tuning table asked for (None: ATTN_BACKENDS_TUNING or the cache's).
         self.tuning = tuning
         # Keyed by the registry's generation too, so a reload or register()
@@ -176,41 +144,32 @@ class Attention:
         layout = "" if self.layout == "BTNH" else f" layout={self.layout!r}"
         return f"<Attention platform={where!r}{pinned} fallback={self.fallback!r}{layout}>"
 
-    def explain_call(
-        self, call: AttentionCall, call_for: Callable[[Backend], AttentionCall] | None = None,
-        platform: str | None = None, grad: bool = False, *, local: bool = False,
-        **judging: Any,
-    ) -> Explanation:
+    def explain_call(self, call: AttentionCall, platform: str | None = None, grad: bool = False,
+                     *, local: bool = False, **judging: Any) -> Explanation:
         """Verdicts for an already-bound call on ``platform`` (default: the first
-        platform; ``call_for`` and ``judging`` (``calls_for``, ``reasons_for``): see
-        :func:`select`), the tuning table's entry for the call forward (or, with
-        ``grad``, forward and backward) consulted. In a multi-process run the
-        processes agree on the choice (docs/MANY_CHIPS.md, "Many hosts") unless
-        it is ``local`` work, chosen by this process alone ("Local work")."""
+        platform; ``judging``: ``calls_for``, ``reasons_for`` of
+        :class:`~attn_backends.choose.select.Judging`), the tuning table's entry
+        for the call forward (or, with ``grad``, forward and backward) consulted.
+        In a multi-process run the processes agree on the choice
+        (docs/MANY_CHIPS.md, "Many hosts") unless it is ``local`` work, chosen by
+        this process alone ("Local work")."""
         platform = self.platform if platform is None else platform
         backends = self.registry.backends
         if self.backend_name is not None:
             backends = {self.backend_name: self.registry.backend(self.backend_name)}
-        origins = self.registry.origins
-        agree = self.registry.agree if process_count() > 1 and not local else None
-        measured = self.measured(call, platform, grad)
+        features = self.registry.features
+        agree = (features.hook("attn_backends_agree") if process_count() > 1 and not local
+                 else None)
+        base = Judging(
+            jax_version=jax.__version__, present=dict(self.platforms)[platform],
+            prefer=self.prefer,
+            distributions={n: o.distribution for n, o in self.registry.origins.items()},
+            probe=features.hook("attn_backends_probe"), options=self.backend_options,
+            measured=self.measured(call, platform, grad), **judging)
 
         def judge(probe_also: frozenset[str] = frozenset()) -> Explanation:
-            return select(
-                call,
-                platform,
-                list(backends.values()),
-                jax_version=jax.__version__,
-                present=dict(self.platforms)[platform],
-                prefer=self.prefer,
-                distributions={name: origin.distribution for name, origin in origins.items()},
-                probe=self.registry.probe,
-                call_for=call_for,
-                options=self.backend_options,
-                measured=measured,
-                probe_also=probe_also,
-                **judging,
-            )
+            return select(call, platform, list(backends.values()),
+                          dataclasses.replace(base, probe_also=probe_also))
 
         explanation = judge()
         if local:
@@ -221,15 +180,17 @@ class Attention:
         # of this attention that changes its candidates or their order.
         question = ("dense", call, platform, grad, self.backend_name, self.prefer,
                     tuple(sorted(self.backend_options)), str(self.tuning),
-                    call_for is not None, tuple(sorted(judging)))
+                    tuple(sorted(judging)))
         return agree(explanation, question, judge)
 
     def measured(self, call: AttentionCall, platform: str, grad: bool) -> Measured | None:
         """The tuning table's word on ``call`` (None: no table, or ``backend=`` pinned)."""
-        reader = self.registry.tuning
-        if reader is None or self.backend_name is not None:
+        if self.backend_name is not None:
             return None
-        return reader(self.tuning, call, platform, grad, self.registry.backends)
+        table = tuning_table(self.tuning)  # asked first: no table, no reader loaded
+        reader = None if table is None else self.registry.features.hook("attn_backends_measured")
+        return None if reader is None else reader(table, call, platform, grad,
+                                                  self.registry.backends)
 
     def explain(self, q: Any, k: Any, v: Any, *, grad: bool = False,
                 **kwargs: Any) -> Explanation:
@@ -244,12 +205,10 @@ class Attention:
         from ..contract.arguments import bind
 
         call, operands = bind(q, k, v, **kwargs)
-        where = functools.partial(self._is_local, call, q, k, v, operands)
         if self._goes_parallel(q):
-            return self._parallel_for(call).explain(self._single_device(where), self.sharding,
-                                                    call, q, k, v)
+            return self._parallel("attn_backends_sharded_explain", call, q, k, v, operands)
         return self.explain_call(call, grad=grad and self._tuned_apart(call, self.platform),
-                                 local=where(None),
+                                 local=self._is_local(call, q, k, v, operands),
                                  **manual_axes_judging(varying_axes(q, k, v, operands)))
 
     def backend_for(self, call: AttentionCall, platform: str | None = None,
@@ -372,22 +331,27 @@ class Attention:
             q, jax.core.Tracer
         ):
             raise PlatformUnavailableError(unavailable_message([p for p, _ in self.platforms]))
-        where = functools.partial(self._is_local, call, q, k, v, operands)
         if self._goes_parallel(q):
-            return self._parallel_for(call).run(self._single_device(where), self.sharding,
-                                                call, q, k, v, operands)
-        local, manual = where(None), varying_axes(q, k, v, operands)
+            return self._parallel("attn_backends_sharded_call", call, q, k, v, operands)
+        return self._served_for(call, q, k, v, operands)(call, q, k, v, operands)
+
+    def _served_for(self, call: AttentionCall, q: Any, k: Any, v: Any,
+                    operands: Operands) -> Served:
+        """The backends serving ``call`` on one device: one per platform of the
+        program, chosen alone in a multi-process run's local work, for a user's
+        shard_map when q, k, v vary over its manual axes, and a second one for
+        the differentiated call when a tuning table timed it apart."""
+        local, manual = self._is_local(call, q, k, v, operands), varying_axes(q, k, v, operands)
         served = {p: self.backend_for(call, platform=p, local=local, manual=manual)
                   for p, _ in self.platforms}
         forward = Served.of(served, self.backend_options)
         trained = {p: self.backend_for(call, platform=p, grad=True, local=local, manual=manual)
                    for p, _ in self.platforms if self._tuned_apart(call, p)}
         if not trained or all(trained[p] is served[p] for p in trained):
-            return forward(call, q, k, v, operands)
+            return forward
         # A table measured another backend fastest forward and backward: the
         # primal runs the forward winner, a differentiated call the other.
-        differentiated = Served.of({**served, **trained}, self.backend_options)
-        return by_pass(forward, differentiated)(call, q, k, v, operands)
+        return by_pass(forward, Served.of({**served, **trained}, self.backend_options))
 
     def _tuned_apart(self, call: AttentionCall, platform: str) -> bool:
         """Whether the table times ``call`` forward and backward to a winner of its own."""
@@ -402,19 +366,23 @@ class Attention:
         # q decides: k and v must share its layout, which the parallel layer checks.
         return self.sharding is not None or is_sharded(q)
 
-    def _parallel_for(self, call: AttentionCall) -> ParallelLayer:
-        """The parallel layer for ``call``; UnsupportedError for a call served on a
-        single device only (dispatch.single_device_only says why)."""
+    def _parallel(self, hook: str, call: AttentionCall, q: Any, k: Any, v: Any,
+                  operands: Operands) -> Any:
+        """``call`` laid out on a mesh, through the parallel layer's ``hook``
+        (contract/backend.py); UnsupportedError for a call served on a single device
+        only (dispatch.single_device_only says why)."""
         refusal = single_device_only(call)
         if refusal is not None:
             raise UnsupportedError(refusal)
-        if self._parallel is None:
-            raise UnsupportedError(
-                "q is sharded over mesh axes, and this registry was made without the "
-                "parallel layer: use attn_backends.Registry (or attn_backends.registry), "
-                "which serves sharded and ring attention"
-            )
-        return self._parallel()
+        sharded = self.registry.features.hook(hook)
+        if sharded is None:
+            raise UnsupportedError("q is sharded over mesh axes, and this registry's parallel "
+                                   "layer is blocked (Registry(block=['parallel']))")
+        where = functools.partial(self._is_local, call, q, k, v, operands)
+        selection = self._single_device(where)
+        if hook == "attn_backends_sharded_call":
+            return sharded(selection, self.sharding, call, q, k, v, operands)
+        return sharded(selection, self.sharding, call, q, k, v)
 
     def _is_local(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                   mesh: Any = None) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pluggy
 
-from ..contract.backend import ENTRY_POINT_GROUP, PROJECT, Backend, HookSpecs
+from ..contract.backend import ENTRY_POINT_GROUP, PROJECT, Backend, HookSpecs, Seams
 from ..contract.call import SUPPORTED_API_VERSIONS
 from ..contract.capabilities import Capabilities
 from ..contract.environment import env_flag, env_setting
@@ -176,6 +176,7 @@ class Loader:
         self._claims: dict[str, list[tuple[Origin, Backend]]] = {}
         self._pm = pluggy.PluginManager(PROJECT)
         self._pm.add_hookspecs(HookSpecs)
+        self._pm.add_hookspecs(Seams)  # a plugin may implement both (the registry's Features)
 
     def problem(self, origin: Origin, message: str) -> None:
         problem = LoadProblem(origin, message)
@@ -214,7 +215,8 @@ class Loader:
             self.problem(
                 origin,
                 f"implements unknown hook(s) {', '.join(unknown)}; core defines only "
-                "attn_backends_register (check the spelling): not registered",
+                "attn_backends_register and the seams of contract/backend.py (check the "
+                "spelling): not registered",
             )
             return
         impls = [
@@ -222,7 +224,9 @@ class Loader:
             for impl in self._pm.hook.attn_backends_register.get_hookimpls()
             if impl.plugin is plugin
         ]
-        if not impls:
+        seams = [c for c in self._pm.get_hookcallers(plugin) or []
+                 if c.name != "attn_backends_register"]
+        if not impls and not seams:
             self.problem(
                 origin,
                 "defines no attn_backends_register() marked with @attn_backends.hookimpl: "

@@ -5,31 +5,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from ..contract.backend import Backend
+from ..contract.backend import Backend, CallableProbe, Features, implements_a_seam
 from ..contract.errors import AttnBackendsWarning, UnknownBackendError, warn
 from .discovery import Discovered, LoadProblem, Origin, Settings, discover
-from .select import LOCAL_WORK, Agree, Explanation, Probe, Tuning
+from .select import LOCAL_WORK, Explanation, Probe
 
 if TYPE_CHECKING:
-    from .attention import Attention, ParallelLayer
-    from .paged import PagedAttention, PagedProbe
+    from .attention import Attention
+    from .paged import PagedAttention
 
 FALLBACK_MODES = ("warn", "error", "silent")
-
-T = TypeVar("T")
-
-
-@dataclass
-class Lazy(Generic[T]):
-    """A value an upper layer hands the registry, built on first use by ``make()``:
-    how the prober reaches selection without ``import attn_backends`` loading it."""
-
-    make: Callable[[], T]
 
 
 def _jax_version() -> str:
@@ -41,19 +30,20 @@ def _jax_version() -> str:
 class Registry:
     """Installed backends, loaded lazily, and the entry point for selection.
 
-    The choosing layer's registry: ``attn_backends.Registry`` is this one with
-    core's prober and the parallel layer wired in. ``plugins`` are in-process
-    plugin objects (modules or instances holding ``@hookimpl`` functions),
-    registered besides the entry points. Settings left as None come from the
-    ``ATTN_BACKENDS_*`` environment variables when discovery runs. ``probe`` is
-    None (no probes), a callable ``probe(backend, call, platform, options) ->
-    reasons``, or a :class:`Lazy` one; paged calls are probed by its ``paged``
-    attribute (the same signature with a PagedCall) when it has one. ``parallel``
-    loads the layer that serves sharded inputs (None: they raise UnsupportedError).
-    ``tuning`` reads tuning tables (None: selection never consults one), a
-    callable or a :class:`Lazy` one. ``agree`` makes the processes of a
-    multi-process run choose alike (None: each chooses alone), a callable or a
-    :class:`Lazy` one; it is built and called only when ``jax.process_count() > 1``.
+    ``plugins`` are in-process plugin objects (modules or instances holding
+    ``@hookimpl`` functions): backends (``attn_backends_register``) and
+    implementations of core's seams (contract/backend.py), registered besides the
+    entry points. Settings left as None come from the ``ATTN_BACKENDS_*``
+    environment variables when discovery runs. ``probe`` is "auto" (core's
+    probe: each backend compared with the float64 oracle once per verdict key,
+    cached on disk; docs/DESIGN.md, "Probes"), None (no probes) or a callable
+    ``probe(backend, call, platform, options) -> reasons`` (its ``paged``
+    attribute, when it has one, probes paged calls). ``block`` names core
+    plugins left out ("probe", "tuning", "hosts", "parallel"). Sharded inputs
+    and ``get(mesh=, spec=, sequence_axis=)`` are served by the parallel
+    layer; in a multi-process run every process agrees on each choice
+    (docs/MANY_CHIPS.md, "Many hosts") but local work, which each chooses alone
+    (``attn_backends.local_work()``).
     """
 
     def __init__(
@@ -64,10 +54,8 @@ class Registry:
         strict: bool | None = None,
         only: Sequence[str] | None = None,
         disable: Sequence[str] | None = None,
-        probe: Probe | Lazy[Probe] | None = None,
-        parallel: Callable[[], ParallelLayer] | None = None,
-        tuning: Tuning | Lazy[Tuning] | None = None,
-        agree: Agree | Lazy[Agree] | None = None,
+        probe: Probe | None | str = "auto",
+        block: Sequence[str] = (),
     ):
         self._plugins = list(plugins)
         self._overrides = {
@@ -76,10 +64,17 @@ class Registry:
             "only": None if only is None else frozenset(only),
             "disable": None if disable is None else frozenset(disable),
         }
-        self._probe = probe
-        self._tuning = tuning
-        self._agree = agree
-        self._parallel = parallel
+        #: The seams' plugin manager: probes, tuning tables, the parallel layer,
+        #: agreement across processes (contract/backend.py).
+        self.features = Features(self._plugins, block)
+        if isinstance(probe, str):
+            if probe != "auto":
+                raise ValueError(
+                    f"probe: expected 'auto', None or a callable "
+                    f"probe(backend, call, platform, options), got {probe!r}"
+                )
+        else:
+            self.probe = probe
         self._discovered: Discovered | None = None
         # Re-entrant: a plugin that reads the registry while it is imported
         # must not deadlock discovery.
@@ -88,33 +83,17 @@ class Registry:
         self.generation = 0
 
     @property
-    def probe(self) -> Probe | None:
-        """The probe selection consults (a :class:`Lazy` one is built here, once)."""
-        with self._lock:
-            if isinstance(self._probe, Lazy):
-                self._probe = self._probe.make()
-            return self._probe
+    def probe(self) -> Any:
+        """The probe selection consults: core's Prober (built on first use), the
+        callable given, or None."""
+        plugin = self.features.plugin("probe")
+        return plugin.probe if isinstance(plugin, CallableProbe) else plugin
 
     @probe.setter
-    def probe(self, probe: Probe | Lazy[Probe] | None) -> None:
-        self._probe = probe
-
-    @property
-    def tuning(self) -> Tuning | None:
-        """What reads tuning tables for selection (a :class:`Lazy` one is built here, once)."""
-        with self._lock:
-            if isinstance(self._tuning, Lazy):
-                self._tuning = self._tuning.make()
-            return self._tuning
-
-    @property
-    def agree(self) -> Agree | None:
-        """What makes the processes of a multi-process run agree (a :class:`Lazy`
-        one is built here, once, on the first selection with several processes)."""
-        with self._lock:
-            if isinstance(self._agree, Lazy):
-                self._agree = self._agree.make()
-            return self._agree
+    def probe(self, probe: Any) -> None:
+        if probe is not None and not implements_a_seam(probe):
+            probe = CallableProbe.of(probe)
+        self.features.replace("probe", probe)
 
     def _load(self) -> Discovered:
         with self._lock:
@@ -130,8 +109,10 @@ class Registry:
             self.generation += 1
 
     def register(self, plugin: object) -> None:
-        """Add an in-process plugin object and rediscover."""
+        """Add an in-process plugin object (backends, seams or both) and rediscover."""
         self._plugins.append(plugin)
+        if implements_a_seam(plugin):
+            self.features.register(plugin)
         self.reload()
 
     @property
@@ -247,7 +228,6 @@ class Registry:
             backend_options=dict(backend_options or {}),
             sharding=self._sharding_request(mesh, _btnh_spec(spec, layout), sequence_axis,
                                             ring_block),
-            parallel=self._parallel,
             layout=layout,
             tuning=None if tuning is None else Path(tuning).expanduser(),
         )
@@ -337,14 +317,16 @@ class Registry:
                      AttnBackendsWarning)
         # No arrays to judge yet: local work only where marked (contract/environment.py).
         local = process_count() > 1 and marked()
-        agree = self.agree if process_count() > 1 and not local else None
+        agree = self.features.hook("attn_backends_agree") if process_count() > 1 and not local \
+            else None
 
         def judge(probe_also: frozenset[str] = frozenset()) -> Explanation:
             return select_paged(
                 call, platform, list(candidates.values()), jax_version=_jax_version(),
                 present=present, prefer=prefer,
                 distributions={n: o.distribution for n, o in self.origins.items()},
-                probe=self.paged_probe, options=backend_options, probe_also=probe_also)
+                probe=self.features.hook("attn_backends_probe_paged"), options=backend_options,
+                probe_also=probe_also)
 
         explanation = judge()
         if agree is not None:
@@ -357,23 +339,18 @@ class Registry:
             explanation = dataclasses.replace(explanation, agreement=LOCAL_WORK)
         return explanation, present
 
-    @property
-    def paged_probe(self) -> PagedProbe | None:
-        """The probe paged selection consults: the registry probe's ``paged``
-        (core's prober has one), or None (a probe without it judges dense calls only)."""
-        return getattr(self.probe, "paged", None)
-
     def _sharding_request(self, mesh: Any, spec: Any, sequence_axis: str | None,
                           ring_block: int | None) -> Any:
         """The parallel layer's request for these arguments (None when none is given)."""
         if mesh is None and spec is None and sequence_axis is None and ring_block is None:
             return None
-        if self._parallel is None:
+        request = self.features.hook("attn_backends_sharding_request")
+        if request is None:
             raise ValueError(
-                "mesh=, spec=, sequence_axis=, ring_block=: this registry was made without "
-                "the parallel layer; use attn_backends.Registry (or attn_backends.registry)"
+                "mesh=, spec=, sequence_axis=, ring_block=: this registry's parallel "
+                "layer is blocked (Registry(block=['parallel']))"
             )
-        return self._parallel().request(mesh, spec, sequence_axis, ring_block)
+        return request(mesh, spec, sequence_axis, ring_block)
 
     def explain(self, q: Any, k: Any, v: Any, *, device: Any = None, layout: str = "BTNH",
                 tuning: str | os.PathLike[str] | None = None, **kwargs: Any) -> Explanation:
@@ -389,3 +366,7 @@ def _btnh_spec(spec: Any, layout: str) -> Any:
         return spec
     b, h, t, d = (*spec, None, None, None, None)[:4]
     return type(spec)(b, t, h, d)
+
+
+#: The process-wide registry: ``attn_backends.registry.get(device="tpu")``.
+registry = Registry()

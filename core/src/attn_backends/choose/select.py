@@ -6,18 +6,20 @@ import contextlib
 import json
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ..contract.backend import Backend
 from ..contract.call import AttentionCall
 from ..contract.capabilities import in_range
-from ..contract.paged import PagedCall
+
+if TYPE_CHECKING:
+    from ..contract.paged import PagedCall
 
 #: ``probe(backend, call, platform, options) -> reasons`` (empty: passed; None:
 #: nothing was compared, e.g. the backend's check() rejects every probe shape).
-#: ``options`` are the caller's options for that backend (None: defaults). The
-#: registry's default is :class:`attn_backends.probe.prober.Prober`.
+#: ``options`` are the caller's options for that backend (None: defaults):
+#: the ``attn_backends_probe`` hook (contract/backend.py) as a function.
 Probe = Callable[[Backend, AttentionCall, str, Any], "list[str] | None"]
 
 
@@ -55,27 +57,45 @@ class Measured:
     note: str
 
 
-#: ``tuning(path, call, platform, grad, backends) -> Measured | None``: what the
-#: table at ``path`` (None: ``ATTN_BACKENDS_TUNING`` or the cache's table) says
-#: of ``call`` timed with or without its backward pass; None when there is no
-#: table. Reads a file, never times. The registry's default is
-#: :class:`attn_backends.probe.tuning.TableReader`.
-Tuning = Callable[[Any, AttentionCall, str, bool, Mapping[str, Backend]], "Measured | None"]
-
-
 #: ``rejudge(probe_also) -> explanation``: the same selection judged again, with
 #: the backends named in ``probe_also`` probed even where ranked below the
-#: chosen one (verdicts already cached cost nothing).
+#: chosen one (verdicts already cached cost nothing): what the
+#: ``attn_backends_agree`` hook (contract/backend.py) is handed.
 Rejudge = Callable[[frozenset[str]], "Explanation"]
 
-#: ``agree(explanation, question, rejudge) -> explanation``: the choice every
-#: process of a multi-process run makes for ``question`` (a hashable that names
-#: the same selection in every process), given this process's explanation of it
-#: and the way to probe a backend it deferred (``rejudge``); raises
-#: AgreementError when the processes cannot hear from each other in time.
-#: Consulted only when ``jax.process_count() > 1``. The registry's default is
-#: :class:`attn_backends.parallel.hosts.Hosts`.
-Agree = Callable[["Explanation", Any, Rejudge], "Explanation"]
+
+@dataclass(frozen=True)
+class Judging:
+    """How :func:`select` judges, besides the call, the platform and the backends.
+
+    - ``jax_version``: the running jax, against each manifest's range;
+    - ``present``: whether the platform is present here (probes run only then);
+    - ``prefer``: names tried first, in order;
+    - ``distributions``: each backend's distribution, for the verdicts;
+    - ``probe``: ``probe(backend, call, platform, options) -> reasons`` (None: no probes);
+    - ``options``: the caller's options per backend name (its probe runs under them);
+    - ``measured``: a tuning table's word: its backend is tried right after
+      ``prefer`` (which still wins) and must pass every step like any other;
+    - ``probe_also``: backends probed even when ranked below the chosen one
+      (the others there are ``deferred``): a multi-process run agrees on the
+      first backend every process serves, and asks for the probe of one this
+      process deferred (parallel/hosts.py);
+    - ``calls_for``: the calls a backend will really receive, when that differs
+      from the caller's (per-device shapes; a ring's per-block calls): checks and
+      probes judge each, and it must pass all;
+    - ``reasons_for``: reasons of the caller's own per backend (a ring needs lse).
+    """
+
+    jax_version: str
+    present: bool = True
+    prefer: Sequence[str] = ()
+    distributions: Mapping[str, str] = field(default_factory=dict)
+    probe: Probe | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    measured: Measured | None = None
+    probe_also: Collection[str] = ()
+    calls_for: Callable[[Backend], Sequence[AttentionCall]] | None = None
+    reasons_for: Callable[[Backend], Sequence[str]] | None = None
 
 
 #: ``Explanation.agreement`` of a multi-process run's call chosen by its process
@@ -211,72 +231,43 @@ def _reasons(backend: Backend, call: AttentionCall, platform: str, jax_version: 
         return [f"check() raised {type(exc).__name__}: {exc}"]
 
 
-def select(
-    call: AttentionCall,
-    platform: str,
-    backends: Sequence[Backend],
-    *,
-    jax_version: str,
-    present: bool = True,
-    prefer: Sequence[str] = (),
-    distributions: dict[str, str] | None = None,
-    probe: Probe | None = None,
-    call_for: Callable[[Backend], AttentionCall] | None = None,
-    options: Mapping[str, Any] | None = None,
-    calls_for: Callable[[Backend], Sequence[AttentionCall]] | None = None,
-    reasons_for: Callable[[Backend], Sequence[str]] | None = None,
-    measured: Measured | None = None,
-    probe_also: Collection[str] = (),
-) -> Explanation:
+def select(call: AttentionCall, platform: str, backends: Sequence[Backend],
+           judging: Judging) -> Explanation:
     """Judge every backend for ``call`` on ``platform`` and choose the first survivor.
 
     Steps: manifest filter, jax version range, ``check(call)``, then the probe
     (only when the platform is present and a probe is given, and only until a
-    backend is chosen: those ranked below it are not probed). ``options`` maps
-    a backend name to the caller's options, which its probe runs under.
-    ``call_for`` gives the call a backend will really receive when that
-    differs from ``call`` (a backend run per device sees the per-device
-    shapes); checks and probes judge that call. ``calls_for`` gives several
-    calls a backend will receive (a ring's per-block calls): it must pass on
-    each. ``reasons_for`` adds reasons of the caller's own (a ring needs lse).
-    Manifest and ``check`` judge each call as the backend's manifest has core
-    hand it over (:meth:`~attn_backends.Capabilities.served_call`: a key mask
-    as segment ids or as a pairwise mask); the probe gets the call itself and
-    runs it the same way.
-
-    ``measured`` is a tuning table's word: its backend is tried right after the
-    names in ``prefer`` (which still win), and must pass every step like any
-    other; a quarantined, refused or missing one leaves the priority order.
-
-    ``probe_also`` names backends probed even when ranked below the chosen one
-    (the others there are ``deferred``): a multi-process run agrees on the first
-    backend that every process serves, and asks for the probe of a candidate
-    this process deferred (parallel/hosts.py).
+    backend is chosen: those ranked below it are not probed unless named in
+    ``judging.probe_also``). Manifest and ``check`` judge each call as the
+    backend's manifest has core hand it over
+    (:meth:`~attn_backends.Capabilities.served_call`: a key mask as segment ids
+    or as a pairwise mask); the probe gets the call itself and runs it the same
+    way. A tuning table's backend (``judging.measured``) comes right after the
+    names in ``prefer``; a quarantined, refused or missing one leaves the
+    priority order.
     """
     verdicts = []
     chosen = None
-    order = tuple(prefer)
-    if measured is not None and measured.backend is not None and measured.backend not in order:
-        order += (measured.backend,)
+    j = judging
+    order = tuple(j.prefer)
+    if j.measured is not None and j.measured.backend not in (None, *order):
+        order += (j.measured.backend,)
     for backend in rank(backends, platform, order):
-        if calls_for is not None:
-            judged = list(calls_for(backend))
-        else:
-            judged = [call if call_for is None else call_for(backend)]
-        reasons = list(reasons_for(backend)) if reasons_for is not None else []
+        judged = [call] if j.calls_for is None else list(j.calls_for(backend))
+        reasons = [] if j.reasons_for is None else list(j.reasons_for(backend))
         notes: list[str] = []
         for one in judged:
             served = backend.capabilities.served_call(one)
             if one.key_mask and served.mask_shape is None and KEY_MASK_NOTE not in notes:
                 notes.append(KEY_MASK_NOTE)
-            found = _reasons(backend, served, platform, jax_version)
+            found = _reasons(backend, served, platform, j.jax_version)
             reasons += [r for r in found if r not in reasons]
         probed = None
-        can_probe = not reasons and probe is not None and present
-        deferred = can_probe and chosen is not None and backend.name not in probe_also
+        can_probe = not reasons and j.probe is not None and j.present
+        deferred = can_probe and chosen is not None and backend.name not in j.probe_also
         if can_probe and not deferred:
             for one in judged:
-                outcome = probe(backend, one, platform, (options or {}).get(backend.name))
+                outcome = j.probe(backend, one, platform, j.options.get(backend.name))
                 probed = bool(probed) or outcome is not None
                 reasons += [r for r in outcome or () if r not in reasons]
                 if reasons:
@@ -288,7 +279,7 @@ def select(
             Verdict(
                 backend=backend.name,
                 version=backend.version,
-                distribution=(distributions or {}).get(backend.name),
+                distribution=j.distributions.get(backend.name),
                 priority=backend.priority_on(platform),
                 accepted=accepted,
                 reasons=tuple(reasons),
@@ -298,4 +289,4 @@ def select(
                 deferred=deferred,
             )
         )
-    return Explanation(call, platform, present, tuple(verdicts), chosen, measured)
+    return Explanation(call, platform, j.present, tuple(verdicts), chosen, j.measured)

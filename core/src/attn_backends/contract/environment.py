@@ -328,3 +328,23 @@ def cache_dir() -> Path:
         return explicit
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "attn-backends"
+
+
+#: The tuning table's file name in the cache folder (``attn-backends tune``'s
+#: default ``--out``), read when neither ``tuning=`` nor ``ATTN_BACKENDS_TUNING``
+#: names one.
+TABLE_NAME = "tuning.json"
+
+
+def tuning_table(given: str | os.PathLike[str] | None) -> Path | None:
+    """The tuning table selection reads: ``given``, else ``ATTN_BACKENDS_TUNING``,
+    else the cache folder's :data:`TABLE_NAME` when it exists, else None."""
+    if given is not None:
+        return Path(given)
+    named = env_setting("ATTN_BACKENDS_TUNING", lambda text: Path(text).expanduser(),
+                        accepts="the path of a tuning table (attn-backends tune --out)",
+                        default=None)
+    if named is not None:
+        return named
+    cached = cache_dir() / TABLE_NAME
+    return cached if cached.is_file() else None

@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 from ..choose.select import Explanation, Rejudge, Verdict
 from ..contract import jax_api
+from ..contract.backend import hookimpl
 from ..contract.environment import env_setting, seconds
 from ..contract.errors import AgreementError, AgreementWarning, warn
 
@@ -229,6 +230,12 @@ class Hosts:
         self._decided: dict[tuple[str, str], Explanation] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+
+    @hookimpl(trylast=True)
+    def attn_backends_agree(self, explanation: Explanation, question: Hashable,
+                            rejudge: Rejudge) -> Explanation:
+        """Core's ``attn_backends_agree`` (contract/backend.py)."""
+        return self(explanation, question, rejudge)
 
     def __call__(self, explanation: Explanation, question: Hashable,
                  rejudge: Rejudge) -> Explanation:

@@ -113,11 +113,11 @@ def explain_sharded(single: SingleDevice, call: AttentionCall, layout: Layout) -
         return explain_ring(single, call, layout)
     local = _local(call, layout)
 
-    def call_for(backend: Backend) -> AttentionCall:
+    def calls_for(backend: Backend) -> list[AttentionCall]:
         # A backend XLA cannot partition runs per device: judge what it will see.
-        return call if backend.capabilities.partitionable else local
+        return [call if backend.capabilities.partitionable else local]
 
-    base = single.explain(call, call_for)
+    base = single.explain(call, calls_for=calls_for)
     plan = layout.describe()
     if base.chosen is not None:
         chosen = single.backend(base.chosen)

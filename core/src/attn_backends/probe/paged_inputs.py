@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.paged_quantize import LARGEST
 from .paged_oracle import paged_attention as oracle
 
 #: What integer garbage is made of: an index no pool has.
@@ -172,10 +173,6 @@ def paged_case(seqs: Sequence[tuple[int, int]], *, page_size: int, hq: int = 4,
     return case if cache_dtype is None else _quantized(case, cache_dtype, garbage)
 
 
-#: The largest value each quantized cache dtype stores (docs/DESIGN.md).
-QUANTIZED_LARGEST = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-
-
 def quantize_rows(x: np.ndarray, cache_dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """x ``[..., D]`` -> (values ``[..., D]`` in ``cache_dtype``, float32 scales
     ``[...]``) by the contract's rule, in NumPy: ``scale = max|x| / largest``;
@@ -184,7 +181,7 @@ def quantize_rows(x: np.ndarray, cache_dtype: str) -> tuple[np.ndarray, np.ndarr
     import ml_dtypes  # noqa: F401 - registers the float8 dtypes with NumPy
 
     x = np.asarray(x, np.float32)
-    largest = np.float32(QUANTIZED_LARGEST[cache_dtype])
+    largest = np.float32(LARGEST[cache_dtype])
     scales = (np.max(np.abs(x), axis=-1) / largest).astype(np.float32)
     ratio = x / np.where(scales > 0, scales, np.float32(1))[..., None]
     ratio = np.clip(ratio, -largest, largest)

@@ -25,7 +25,8 @@ import numpy as np
 from ..contract.call import WIDE_DTYPES
 from ..contract.environment import local_device
 from ..contract.paged import PagedBackend, PagedCall
-from .paged_inputs import QUANTIZED_LARGEST, PagedCase, dequantize_rows, half_step, paged_case
+from ..contract.paged_quantize import LARGEST
+from .paged_inputs import PagedCase, dequantize_rows, half_step, paged_case
 from .tolerances import compare, tolerance
 
 #: Padding tokens given to ``write``, at these (negative) slots.
@@ -109,7 +110,7 @@ def _write_reasons(call: PagedCall, case: PagedCase, pools: Any, tokens: tuple[A
             bound = half_step(values, call.cache_dtype) * scales[..., None] + 1e-6 * np.abs(x)
             # The rule's scale, max|x| / largest: a larger one keeps every element
             # within its (coarser) half step, and so does the oracle reading it.
-            want = np.abs(x).max(-1) / QUANTIZED_LARGEST[call.cache_dtype]
+            want = np.abs(x).max(-1) / LARGEST[call.cache_dtype]
             if not np.all(err <= bound):
                 reasons.append(f"probe: write quantized {name} wrong: an element is "
                                f"{np.max(err - bound):.3g} past half a step of its stored value "
@@ -117,7 +118,7 @@ def _write_reasons(call: PagedCall, case: PagedCase, pools: Any, tokens: tuple[A
             elif not np.allclose(scales, want, rtol=3e-7, atol=0):
                 worst = np.max(np.abs(scales / want - 1))
                 reasons.append(f"probe: write quantized {name} wrong: scales are not max|x| / "
-                               f"{QUANTIZED_LARGEST[call.cache_dtype]:g} (worst {worst:.3g} "
+                               f"{LARGEST[call.cache_dtype]:g} (worst {worst:.3g} "
                                f"off), on {call.describe()}")
     return reasons
 

@@ -31,19 +31,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..contract.arguments import bind
-from ..contract.backend import Backend
+from ..contract.backend import Backend, hookimpl
 from ..contract.call import AttentionCall, bindable
 from ..contract.environment import device_kind, env_setting, seconds, versions
-from ..contract.paged import PagedCall
 from . import call as _probe_call
 from . import certificates as _certificates
 from . import verdicts as _verdicts
 from .digests import code_digests
-from .paged_run import run_paged_probe
-from .run import run_probe
+
+if TYPE_CHECKING:
+    from ..contract.paged import PagedCall
 
 logger = logging.getLogger("attn_backends")
 
@@ -67,6 +66,8 @@ def sample_call(backend: Backend, dtype: str, features: frozenset[str]) -> Atten
     """A representative call (B=2, T=128) using ``features`` in ``dtype``."""
     import jax
     import jax.numpy as jnp
+
+    from ..contract.arguments import bind
 
     sds = jax.ShapeDtypeStruct
     b, t, d = 2, 128, _head_dim(backend)
@@ -128,7 +129,7 @@ def environment_failure(exc: BaseException) -> bool:
 #: ``runner(backend, call, platform, options) -> reasons`` (None: nothing to compare).
 Runner = Callable[[Backend, AttentionCall, str, Any], "list[str] | None"]
 #: ``paged_runner(backend, call, platform, options) -> reasons`` for paged calls.
-PagedRunner = Callable[[Backend, PagedCall, str, Any], "list[str] | None"]
+PagedRunner = Callable[[Backend, "PagedCall", str, Any], "list[str] | None"]
 
 
 @dataclass(frozen=True)
@@ -162,10 +163,10 @@ def probe_key(
     call is keyed by itself (``paged_call``), a dense one by its canonical probe
     call (``probe_call``)."""
     digests = code_digests(backend)
-    if isinstance(call, PagedCall):
-        probed = {"paged_call": dataclasses.asdict(dataclasses.replace(call, platform=None))}
-    else:
+    if isinstance(call, AttentionCall):
         probed = {"probe_call": dataclasses.asdict(_probe_call.canonical(call))}
+    else:  # a PagedCall (contract/paged.py is not loaded by dense calls)
+        probed = {"paged_call": dataclasses.asdict(dataclasses.replace(call, platform=None))}
     return {
         "backend": backend.name,
         "backend_version": backend.version,
@@ -188,8 +189,10 @@ class Prober:
     when nothing was compared (its ``check`` rejects every probe shape).
     """
 
-    def __init__(self, *, runner: Runner = run_probe,
-                 paged_runner: PagedRunner = run_paged_probe, budget_s: float | None = None):
+    def __init__(self, *, runner: Runner | None = None,
+                 paged_runner: PagedRunner | None = None, budget_s: float | None = None):
+        # None: core's runners, loaded by the first probe that runs (a verdict
+        # on disk needs neither the oracle nor the tolerance table).
         self._runner = runner
         self._paged_runner = paged_runner
         self.budget_s = budget_s if budget_s is not None else env_setting(
@@ -210,6 +213,18 @@ class Prober:
         """The paged probe handed to paged selection: the reasons ``backend`` fails
         the paged ``call`` (empty: it passes), under the dense probe's rules."""
         return self(backend, call, platform, options)
+
+    @hookimpl(trylast=True)
+    def attn_backends_probe(self, backend: Backend, call: AttentionCall, platform: str,
+                            options: Any) -> list[str] | None:
+        """Core's ``attn_backends_probe`` (contract/backend.py)."""
+        return self(backend, call, platform, options)
+
+    @hookimpl(trylast=True)
+    def attn_backends_probe_paged(self, backend: Backend, call: PagedCall, platform: str,
+                                  options: Any) -> list[str] | None:
+        """Core's ``attn_backends_probe_paged``."""
+        return self.paged(backend, call, platform, options)
 
     def verdict(
         self, backend: Backend, call: AttentionCall | PagedCall, platform: str,
@@ -252,8 +267,12 @@ class Prober:
         self, backend: Backend, call: AttentionCall | PagedCall, platform: str, options: Any
     ) -> ProbeVerdict:
         start = time.perf_counter()
-        runner: Callable[..., Any] = (
-            self._paged_runner if isinstance(call, PagedCall) else self._runner)
+        runner: Callable[..., Any] | None = (
+            self._runner if isinstance(call, AttentionCall) else self._paged_runner)
+        if runner is None and isinstance(call, AttentionCall):
+            from .run import run_probe as runner
+        elif runner is None:
+            from .paged_run import run_paged_probe as runner
         # Selection runs while the caller's function is being traced, and JAX's
         # trace state is per thread: a worker thread runs the probe eagerly on
         # concrete arrays instead of joining the caller's program, and bounds
@@ -322,7 +341,7 @@ class Prober:
 
     def _write(self, key: dict[str, Any], verdict: ProbeVerdict,
                call: AttentionCall | PagedCall) -> None:
-        probed = call if isinstance(call, PagedCall) else _probe_call.canonical(call)
+        probed = _probe_call.canonical(call) if isinstance(call, AttentionCall) else call
         record = {
             "passed": verdict.passed,
             "reasons": list(verdict.reasons),

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from ..choose.select import Measured
-from ..contract.backend import Backend
+from ..contract.backend import Backend, hookimpl
 from ..contract.call import AttentionCall
-from ..contract.environment import cache_dir, device_kind, env_setting, versions
+from ..contract.environment import device_kind, tuning_table, versions
 from ..contract.errors import AttnBackendsWarning, warn
 from .digests import code_digests
 from .store import write_atomically
@@ -51,9 +51,6 @@ ENVIRONMENT_FIELDS = ("platform", "device_kind", "jax", "jaxlib", "libtpu")
 #: How much faster (relative to the priority choice's median) a candidate must be
 #: to replace the priority choice, besides being outside both spreads.
 DEFAULT_MARGIN = 0.05
-#: The table ``attn-backends tune`` writes in the cache folder when given no ``--out``,
-#: read when neither ``tuning=`` nor ``ATTN_BACKENDS_TUNING`` names one.
-TABLE_NAME = "tuning.json"
 #: The call fields bucketed by :data:`BUCKET_RULE`; every other field is exact.
 BUCKETED = ("batch", "q_len", "kv_len")
 
@@ -141,7 +138,7 @@ def decide(timings: Mapping[str, Timing], default: str,
 
 
 @dataclass(frozen=True)
-class Entry:
+class TableEntry:
     """One shape class's measurement. ``candidates`` maps a backend name to its
     identity (version, digests) and its :class:`Timing` fields, or ``failed``
     with the reason (never a winner)."""
@@ -184,7 +181,7 @@ class Section:
     """A table's entries for one environment (:data:`ENVIRONMENT_FIELDS`)."""
 
     environment: dict[str, str | None]
-    entries: dict[str, Entry] = field(default_factory=dict)
+    entries: dict[str, TableEntry] = field(default_factory=dict)
 
     def differences(self, now: Mapping[str, str | None]) -> list[str]:
         return [f"{f} {self.environment.get(f)} then, {now.get(f)} now"
@@ -207,7 +204,7 @@ class TuningTable:
         self.sections.append(section)
         return section
 
-    def add(self, environment: Mapping[str, str | None], entry: Entry) -> None:
+    def add(self, environment: Mapping[str, str | None], entry: TableEntry) -> None:
         self.section(environment).entries[class_key(entry.shape_class)] = entry
 
     def as_dict(self) -> dict[str, Any]:
@@ -229,7 +226,8 @@ class TuningTable:
                              "`attn-backends tune`")
         try:
             sections = [Section(dict(s["environment"]),
-                                {class_key(e["shape_class"]): Entry(**e) for e in s["entries"]})
+                                {class_key(e["shape_class"]): TableEntry(**e)
+                                 for e in s["entries"]})
                         for s in data["sections"]]
         except (KeyError, TypeError) as exc:
             raise TableError(f"{where}: malformed ({type(exc).__name__}: {exc}); make it "
@@ -286,7 +284,7 @@ class Lookup:
     """What a table says for one call: the entry (None: a miss), the winner it
     names when the entry counts, and why the section or entry is void."""
 
-    entry: Entry | None
+    entry: TableEntry | None
     winner: str | None
     void: tuple[str, ...] = ()
 
@@ -346,20 +344,6 @@ def identity(backends: Mapping[str, Backend]) -> Identity:
     return of
 
 
-def table_path(given: str | os.PathLike[str] | None) -> Path | None:
-    """The table selection reads: ``given``, else ``ATTN_BACKENDS_TUNING``, else the
-    cache folder's :data:`TABLE_NAME` when it exists, else None."""
-    if given is not None:
-        return Path(given)
-    named = env_setting("ATTN_BACKENDS_TUNING", lambda text: Path(text).expanduser(),
-                        accepts="the path of a tuning table (attn-backends tune --out)",
-                        default=None)
-    if named is not None:
-        return named
-    cached = cache_dir() / TABLE_NAME
-    return cached if cached.is_file() else None
-
-
 class TableReader:
     """What selection consults (:data:`attn_backends.choose.select.Tuning`): a
     table's word on a call. Tables are read once per file version (its mtime and
@@ -385,9 +369,15 @@ class TableReader:
             self._tables[path] = (version, table)
         return table
 
+    @hookimpl(trylast=True)
+    def attn_backends_measured(self, table: Path, call: AttentionCall, platform: str,
+                               grad: bool, backends: Mapping[str, Backend]) -> Measured | None:
+        """Core's ``attn_backends_measured`` (contract/backend.py)."""
+        return self(table, call, platform, grad, backends)
+
     def __call__(self, given: str | os.PathLike[str] | None, call: AttentionCall, platform: str,
                  grad: bool, backends: Mapping[str, Backend]) -> Measured | None:
-        path = table_path(given)
+        path = tuning_table(given)
         if path is None:
             return None
         table = self.load(path)
@@ -408,7 +398,7 @@ def table_summary(given: str | os.PathLike[str] | None, platform: str,
     """What ``attn-backends list`` says of the table selection reads (None: none):
     its path, how many entries count here, the void ones' reasons, and how many
     were measured in other environments; or why it cannot be read."""
-    path = table_path(given)
+    path = tuning_table(given)
     if path is None:
         return None
     try:

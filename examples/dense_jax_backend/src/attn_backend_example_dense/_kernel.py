@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from attn_backends import AttentionCall, Operands
+from attn_backends.authoring import AttentionCall, Operands
 
 
 def _visible(call: AttentionCall, ops: Operands) -> jax.Array:

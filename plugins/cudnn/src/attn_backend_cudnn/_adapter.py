@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attn_backends import AttentionCall, Operands
+from attn_backends.authoring import AttentionCall, Operands
 
 
 def _band(call: AttentionCall, jnp: Any) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from attn_backends import AttentionCall, Operands
+from attn_backends.authoring import AttentionCall, Operands
 
 
 def static_window(call: AttentionCall) -> tuple[int | None, int | None] | None:

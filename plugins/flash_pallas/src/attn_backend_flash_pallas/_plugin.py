@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 import attn_backends
-from attn_backends import (
+from attn_backends.authoring import (
     QUANTIZED_CACHE_DTYPES,
     AttentionCall,
     Backend,
@@ -20,8 +20,6 @@ from attn_backends import (
     PagedBatch,
     PagedCall,
     PagedCapabilities,
-)
-from attn_backends.authoring import (
     SwitchedManifest,
     distribution_version,
     heads_first,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attn_backends import AttentionCall, Operands
+from attn_backends.authoring import AttentionCall, Operands
 
 
 def live_rows(call: AttentionCall, operands: Operands) -> Any:

@@ -8,18 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 import attn_backends
-from attn_backends import (
+from attn_backends.authoring import (
     AttentionCall,
     Backend,
     HeadDims,
+    HeadsFirstPagedBackend,
     KVCache,
     Operands,
     PagedBatch,
     PagedCall,
     PagedCapabilities,
-)
-from attn_backends.authoring import (
-    HeadsFirstPagedBackend,
     distribution_version,
     jax_api,
     manifest,

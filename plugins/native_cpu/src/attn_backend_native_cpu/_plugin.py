@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import attn_backends
-from attn_backends import (
+from attn_backends.authoring import (
+    QUANTIZED_CACHE_DTYPES,
     AttentionCall,
     Backend,
     KVCache,
@@ -14,8 +15,11 @@ from attn_backends import (
     PagedBatch,
     PagedCall,
     PagedCapabilities,
+    distribution_version,
+    manifest,
+    refuse,
+    resolve_options,
 )
-from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
 
 from ._config import NativeConfig
 
@@ -58,7 +62,7 @@ class NativeCpuBackend(Backend, PagedBackend):
     paged_capabilities = PagedCapabilities(platforms={"cpu"}, dtypes={"float32", "bfloat16"},
                                            gqa=True, softcap=True, window=True,
                                            check_vma=True, jax_versions=">=0.10,<0.13",
-                                           cache_dtypes=attn_backends.QUANTIZED_CACHE_DTYPES)
+                                           cache_dtypes=QUANTIZED_CACHE_DTYPES)
 
     def check(self, call: AttentionCall) -> list[str]:
         """The library's load failure, if any (it loads here, on the first call)."""

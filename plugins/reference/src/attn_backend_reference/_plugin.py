@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attn_backends import (
+from attn_backends.authoring import (
     CLAIMABLE_DTYPES,
     FEATURES,
     PLATFORMS,
@@ -17,9 +17,11 @@ from attn_backends import (
     PagedBatch,
     PagedCall,
     PagedCapabilities,
+    distribution_version,
+    dropout_keep,
     hookimpl,
+    manifest,
 )
-from attn_backends.authoring import distribution_version, dropout_keep, manifest
 
 
 class ReferenceBackend(Backend, PagedBackend):

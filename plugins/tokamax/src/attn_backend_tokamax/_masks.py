@@ -17,7 +17,7 @@ import dataclasses
 from functools import reduce
 from typing import Any
 
-from attn_backends import AttentionCall, Operands
+from attn_backends.authoring import AttentionCall, Operands
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attn_backends import (
+from attn_backends.authoring import (
     AttentionCall,
     KVCache,
     Operands,
@@ -30,8 +30,8 @@ from attn_backends import (
     PagedBatch,
     PagedCall,
     PagedCapabilities,
+    paged_dense,
 )
-from attn_backends.authoring import paged_dense
 
 from ._environment import tokamax_reasons
 

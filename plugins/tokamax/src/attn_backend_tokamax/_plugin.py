@@ -11,8 +11,17 @@ import dataclasses
 from typing import Any, ClassVar
 
 import attn_backends
-from attn_backends import QUANTIZED_CACHE_DTYPES, AttentionCall, Backend, HeadDims, Operands
-from attn_backends.authoring import distribution_version, manifest, refuse, resolve_options
+from attn_backends.authoring import (
+    QUANTIZED_CACHE_DTYPES,
+    AttentionCall,
+    Backend,
+    HeadDims,
+    Operands,
+    distribution_version,
+    manifest,
+    refuse,
+    resolve_options,
+)
 
 from . import _jax_lines as jax_lines
 from ._environment import tokamax_reasons, tokamax_version

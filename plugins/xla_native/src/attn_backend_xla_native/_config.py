@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attn_backends import AttentionCall, PagedCall
+from attn_backends.authoring import AttentionCall, PagedCall
 
 # Large blocks amortise the per-iteration overhead of XLA loops (and, on
 # accelerators, kernel launches); the budget caps one logits tile, which holds

@@ -5,26 +5,25 @@ from __future__ import annotations
 from typing import Any
 
 import attn_backends
-from attn_backends import (
+from attn_backends.authoring import (
     CLAIMABLE_DTYPES,
     FEATURES,
     PLATFORMS,
     QUANTIZED_CACHE_DTYPES,
     AttentionCall,
     Backend,
+    HeadsFirstPagedBackend,
     KVCache,
     Operands,
     PagedBatch,
     PagedCall,
     PagedCapabilities,
-)
-from attn_backends.authoring import (
-    HeadsFirstPagedBackend,
     distribution_version,
     dropout_keep,
     manifest,
     resolve_options,
 )
+from attn_backends.contract.environment import platform_name
 
 from ._config import BlockConfig, PagedConfig
 
@@ -81,7 +80,7 @@ class XlaNativeBackend(Backend, HeadsFirstPagedBackend):
         def default() -> BlockConfig:
             import jax
 
-            platform = call.platform or attn_backends.platform_name(jax.default_backend())
+            platform = call.platform or platform_name(jax.default_backend())
             if platform not in _BLOCK_PLATFORMS:
                 platform = "cpu"
             return BlockConfig.default_for(call, platform)

@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..contract.call import AttentionCall
-from ..contract.errors import AttnBackendsWarning, warn
-from ..probe.tuning import (
+from attn_backends.contract.call import AttentionCall
+from attn_backends.contract.errors import AttnBackendsWarning, warn
+from attn_backends.probe.tuning import (
     DEFAULT_MARGIN,
-    Entry,
     Identity,
+    TableEntry,
     Timing,
     TuningTable,
     decide,
@@ -87,8 +87,7 @@ def _program(registry: Any, name: str, platform: str, signature: Signature,
     """``name``'s compiled program for the signature, with random inputs bound."""
     import jax
     import jax.numpy as jnp
-
-    from ..probe.call import inputs
+    from attn_backends.probe.run import inputs
 
     call = signature.call
     arrays = inputs(call)
@@ -117,7 +116,7 @@ def _program(registry: Any, name: str, platform: str, signature: Signature,
 def tune_one(registry: Any, signature: Signature, platform: str, *, timer: Timer = wall_clock,
              warmup: int = 2, rounds: int = 5, runs: int = 3, margin: float = DEFAULT_MARGIN,
              backend_options: dict[str, Any] | None = None,
-             identity: Identity) -> Entry | None:
+             identity: Identity) -> TableEntry | None:
     """The entry for one signature (None: no backend serves it here)."""
     default, names = candidates(registry, signature.call, platform)
     if default is None:
@@ -152,7 +151,7 @@ def tune_one(registry: Any, signature: Signature, platform: str, *, timer: Timer
     measured = {name: {**(identity(name) or {}), **vars(t)} for name, t in timings.items()}
     measured.update({name: {**(identity(name) or {}), "failed": why}
                      for name, why in failed.items()})
-    return Entry(shape_class(signature.call, signature.grad), default=default, winner=winner,
+    return TableEntry(shape_class(signature.call, signature.grad), default=default, winner=winner,
                  reason=reason, margin=margin, candidates=measured, measured_at=now_stamp())
 
 
@@ -192,8 +191,8 @@ def cmd_tune(args: Any, registry: Any, call_arguments: Callable[[Any], Any],
     import json
     import shlex
 
-    from ..contract.environment import cache_dir, resolve
-    from ..probe.tuning import TABLE_NAME, environment, identity
+    from attn_backends.contract.environment import TABLE_NAME, cache_dir, resolve
+    from attn_backends.probe.tuning import environment, identity
 
     platform, present = resolve(args.device)
     if not present:
@@ -254,8 +253,7 @@ def signatures_of(fn: Callable[..., Any], *args: Any, passes: Sequence[bool] = (
     (False: forward; True: forward and backward; a quantized K and V's call
     forward only)."""
     import jax
-
-    from ..choose.select import recording_calls
+    from attn_backends.choose.select import recording_calls
 
     with recording_calls() as calls:
         jax.jit(fn).trace(*args, **kwargs)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..contract.arguments import bind
+from attn_backends.contract.arguments import bind
 
 
 @dataclass(frozen=True)

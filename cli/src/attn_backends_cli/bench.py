@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..contract.arguments import bind
-from ..contract.errors import AttnBackendsError
+from attn_backends.contract.arguments import bind
+from attn_backends.contract.errors import AttnBackendsError
+
 from .text import table as _table
 
 
@@ -156,7 +157,7 @@ def plot(rows: Sequence[BenchRow], path: str, setup: str = "") -> None:
 def command(args: argparse.Namespace, registry: Any) -> int:
     """`attn-backends bench ...` with its parsed ``args``: print the table (or JSON,
     or a plot); 2 when nothing could be timed."""
-    from ..contract.environment import resolve
+    from attn_backends.contract.environment import resolve
 
     platform, present = resolve(args.device)
     if not present:
@@ -182,7 +183,7 @@ def command(args: argparse.Namespace, registry: Any) -> int:
                   "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"] for r in rows]
         print(_table(table, ["backend", "S", "pass", "best ms", "reference / backend"]))
     if args.plot:
-        from ..contract.environment import device_kind
+        from attn_backends.contract.environment import device_kind
 
         plot(rows, args.plot, setup_label(
             heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,

@@ -8,9 +8,9 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..contract.call import QUANTIZED_CACHE_DTYPES
-from ..contract.capabilities import DTYPES
-from ..contract.environment import expected
+from attn_backends.contract.call import QUANTIZED_CACHE_DTYPES
+from attn_backends.contract.capabilities import DTYPES
+from attn_backends.contract.environment import expected
 
 T = TypeVar("T")
 

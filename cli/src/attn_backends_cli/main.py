@@ -9,9 +9,10 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from ..contract.capabilities import DTYPES
-from ..contract.errors import AttnBackendsError, AttnBackendsWarning
-from ..contract.paged import QUANTIZED_CACHE_DTYPES
+from attn_backends.contract.capabilities import DTYPES
+from attn_backends.contract.errors import AttnBackendsError, AttnBackendsWarning
+from attn_backends.contract.paged import QUANTIZED_CACHE_DTYPES
+
 from . import report as _report
 from .call_flags import add_call_flags, call_arguments, ints, margin, positive, seq_lengths
 from .matrix import MATRIX_BEGIN, MATRIX_END
@@ -19,16 +20,15 @@ from .text import table as _table
 
 
 def _registry() -> Any:
-    from .._wiring import registry
+    from attn_backends.choose.registry import registry
 
     return registry
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     import jax
-
-    from ..choose.select import jax_range_reason
-    from ..contract.environment import resolve
+    from attn_backends.choose.select import jax_range_reason
+    from attn_backends.contract.environment import resolve
 
     registry = _registry()
     backends, origins, problems = registry.backends, registry.origins, registry.problems
@@ -50,7 +50,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                 "refused": jax_range_reason(backend, jax.__version__),
             }
         )
-    from ..probe.tuning import table_summary
+    from attn_backends.probe.tuning import table_summary
 
     tuning = table_summary(None, platform, backends)
     if args.json:
@@ -155,9 +155,9 @@ def _print_quarantined(records: list[dict[str, Any]]) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from ..contract.environment import resolve
-    from ..probe import prober as _probe
-    from ..probe import verdicts as _verdicts
+    from attn_backends.contract.environment import resolve
+    from attn_backends.probe import prober as _probe
+    from attn_backends.probe import verdicts as _verdicts
 
     registry = _registry()
     if args.clear is not None:

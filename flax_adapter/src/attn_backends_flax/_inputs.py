@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 NO_ROPE = (
-    "attn_backends.flax: flax passed input_positions (MultiHeadAttention(...)(x, "
+    "attn_backends_flax: flax passed input_positions (MultiHeadAttention(...)(x, "
     "input_positions=...)), which only a rotary embedding reads (flax's "
     "nnx.dot_product_attention_with_rope), but this attention_fn has no rope: build it with "
     "attention_fn(..., rope=nnx.RoPE(...)) to rotate query and key at those positions before "
@@ -48,7 +48,7 @@ def with_rope(rope: Any, query: jax.Array, key: jax.Array,
     batch, length = query.shape[:-3], query.shape[-3]
     if key.shape[-3] != length or positions.shape[-1:] != (length,):
         raise ValueError(
-            "attn_backends.flax: input_positions rotate query and key at the same positions: "
+            "attn_backends_flax: input_positions rotate query and key at the same positions: "
             f"expected query and key of one length T and positions [T] or [batch..., T]; got "
             f"query {list(query.shape)}, key {list(key.shape)}, input_positions "
             f"{list(positions.shape)}")
@@ -56,7 +56,7 @@ def with_rope(rope: Any, query: jax.Array, key: jax.Array,
         positions = jnp.broadcast_to(positions, (*batch, length)).reshape((-1, length))
     except ValueError:
         raise ValueError(
-            f"attn_backends.flax: input_positions {list(positions.shape)} do not broadcast to "
+            f"attn_backends_flax: input_positions {list(positions.shape)} do not broadcast to "
             f"query's batch dims and length {list((*batch, length))}") from None
     # One row's [T, H, D] per vmap over B; each head's [T, D] at that row's [T].
     rotate = jax.vmap(jax.vmap(rope, in_axes=(1, None), out_axes=1))
@@ -72,7 +72,7 @@ def with_rope(rope: Any, query: jax.Array, key: jax.Array,
 def refuse_unsupported(qk_einsum: Any, value_einsum: Any) -> None:
     if qk_einsum is not None or value_einsum is not None:
         raise NotImplementedError(
-            "attn_backends.flax: qk_attn_weights_einsum / attn_weights_value_einsum (quantized "
+            "attn_backends_flax: qk_attn_weights_einsum / attn_weights_value_einsum (quantized "
             "einsums) replace the matmuls inside attention, but the backend runs its own kernel. "
             "Leave them unset, or keep flax's own dot_product_attention for this module."
         )
@@ -82,7 +82,7 @@ def refuse_complex(dtype: Any) -> None:
     """flax's attention takes complex inputs; softmax attention over them is not defined."""
     if jnp.issubdtype(dtype, jnp.complexfloating):
         raise ValueError(
-            f"attn_backends.flax: query, key and value are {jnp.dtype(dtype).name}, and no "
+            f"attn_backends_flax: query, key and value are {jnp.dtype(dtype).name}, and no "
             "registry backend computes complex attention: its softmax needs real logits (a "
             "maximum and exp of real numbers), which the contract defines only for float "
             "dtypes. Use real dtypes (float32, bfloat16, float16; float64 under "

@@ -7,11 +7,17 @@ import platform as host
 import sys
 from typing import Any
 
-from ..contract.backend import Backend
-from ..contract.environment import cache_dir, device_kind, resolve, versions, visible_platforms
-from ..probe import certificates as _certificates
-from ..probe import verdicts as _verdicts
-from ..probe.digests import code_digests
+from attn_backends.contract.backend import Backend
+from attn_backends.contract.environment import (
+    cache_dir,
+    device_kind,
+    resolve,
+    versions,
+    visible_platforms,
+)
+from attn_backends.probe import certificates as _certificates
+from attn_backends.probe import verdicts as _verdicts
+from attn_backends.probe.digests import code_digests
 
 
 def probe_summary(backend: Backend) -> str:

@@ -1,8 +1,8 @@
-"""The dense path of :mod:`attn_backends.flax` (its module doc, ``module``): a call
+"""The dense path of :mod:`attn_backends_flax` (its module doc, ``module``): a call
 with ``sow_weights=True`` asks for the attention weights, which no registry
 backend materialises; the adapter computes them here by the contract's rules,
 with the output as their product with value, and sows them where flax's own
-attention does. ``DENSE_PATH`` is public as ``attn_backends.flax.DENSE_PATH``."""
+attention does. ``DENSE_PATH`` is public as ``attn_backends_flax.DENSE_PATH``."""
 
 from __future__ import annotations
 
@@ -10,16 +10,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-from .contract.call import AttentionCall
-from .contract.errors import FallbackWarning, UnsupportedError, warn
+from attn_backends.contract.call import AttentionCall
+from attn_backends.contract.errors import FallbackWarning, UnsupportedError, warn
 
 #: The name ``served`` and ``explain()`` give the adapter's own path for ``sow_weights``.
-DENSE_PATH = "attn_backends.flax dense path (sow_weights)"
+DENSE_PATH = "attn_backends_flax dense path (sow_weights)"
 
 #: sow_weights with dropout: the weights here are computed without a keep-mask.
 SOWN_DROPOUT_REFUSED = (
-    "attn_backends.flax: sow_weights=True with attention dropout (dropout_rate={rate}, "
+    "attn_backends_flax: sow_weights=True with attention dropout (dropout_rate={rate}, "
     "deterministic=False) is not supported: the weights are computed by the adapter's dense "
     "path, which draws no dropout keep-mask. Sow the weights with deterministic=True, or "
     "train without sow_weights."
@@ -30,7 +29,7 @@ def announce_dense(fallback: str, signature: object) -> None:
     """The one word per signature (a ``FlaxSignature``, named in it) that the dense
     path serves a sown-weights call, as the attention's ``fallback`` asks."""
     message = (
-        f"attn_backends.flax: the call {signature} asks for the attention weights, "
+        f"attn_backends_flax: the call {signature} asks for the attention weights, "
         "which no registry backend materialises; this call is served by the adapter's dense "
         "path (the contract's rules, float32 softmax), whose output is those weights times "
         "value. Calls without sow_weights go to the registry as before."

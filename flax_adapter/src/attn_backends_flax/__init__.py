@@ -3,7 +3,7 @@
 ::
 
     from flax import nnx
-    from attn_backends.flax import attention_fn
+    from attn_backends_flax import attention_fn
 
     layer = nnx.MultiHeadAttention(
         num_heads=8, in_features=512, num_kv_heads=2, decode=False,
@@ -50,7 +50,7 @@ What flax passes, and what becomes of it:
   ``force_fp32_for_softmax`` (linen) is always true here.
 - ``module`` (flax passes it for ``sow_weights=True``): the weights are
   asked for, and no registry backend materialises them. That call is served
-  on purpose by the adapter's own dense path (``attn_backends._flax_dense``):
+  on purpose by the adapter's own dense path (``attn_backends_flax._dense``):
   the contract's rules exactly (the causal mapping above, mask, bias, GQA,
   float32 softmax; a row with no visible key has zero weights), whose output
   is that same ``weights @ value``, so the two agree. The weights
@@ -76,7 +76,7 @@ What flax passes, and what becomes of it:
   input_positions=...)``): with ``attention_fn(..., rope=nnx.RoPE(...))``,
   query and key are rotated at those positions before the registry's
   attention, as ``nnx.dot_product_attention_with_rope`` does
-  (``attn_backends._flax_inputs``); without ``rope``, refused.
+  (``attn_backends_flax._inputs``); without ``rope``, refused.
 - Refused, with an error saying why and what to do: linen's quantized
   ``qk_attn_weights_einsum`` / ``attn_weights_value_einsum``.
 
@@ -101,13 +101,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from attn_backends.choose.attention import SELECTION_CACHE_SIZE, Attention
+from attn_backends.choose.select import Explanation
+from attn_backends.contract.arguments import bind
+from attn_backends.contract.call import AttentionCall
 
-from ._flax_dense import DENSE_PATH, SOWN_DROPOUT_REFUSED, announce_dense, dense, sow
-from ._flax_inputs import NO_ROPE, refuse_complex, refuse_unsupported, with_rope
-from .choose.attention import SELECTION_CACHE_SIZE, Attention
-from .choose.select import Explanation
-from .contract.arguments import bind
-from .contract.call import AttentionCall
+from ._dense import DENSE_PATH, SOWN_DROPOUT_REFUSED, announce_dense, dense, sow
+from ._inputs import NO_ROPE, refuse_complex, refuse_unsupported, with_rope
 
 __all__ = [
     "DENSE_PATH", "FlaxAttention", "FlaxExplanation", "FlaxSignature", "ServedCall", "attention_fn",
@@ -178,7 +178,7 @@ class FlaxExplanation:
 
     def __str__(self) -> str:
         if not self.calls:
-            return ("attn_backends.flax: no call served yet (trace or run the module first: "
+            return ("attn_backends_flax: no call served yet (trace or run the module first: "
                     "signatures are recorded when a call is traced)")
         return "\n\n".join(map(str, self.calls))
 
@@ -348,7 +348,7 @@ def attention_fn(attention: Attention | None = None, *, rope: Any = None,
     ``nnx.dot_product_attention_with_rope`` does, at flax's ``input_positions``.
     """
     if attention is None:
-        from ._wiring import registry
+        from attn_backends.choose.registry import registry
 
         attention = registry.get(**get_kwargs)
     elif get_kwargs:
@@ -374,13 +374,13 @@ def _batch_dims(query: jax.Array, key: jax.Array, value: jax.Array) -> tuple[int
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim < 3:
             raise ValueError(
-                f"attn_backends.flax: {name}: expected [batch..., length, heads, head_dim], "
+                f"attn_backends_flax: {name}: expected [batch..., length, heads, head_dim], "
                 f"got shape {list(x.shape)}"
             )
     batch = query.shape[:-3]
     if key.shape[:-3] != batch or value.shape[:-3] != batch:
         raise ValueError(
-            "attn_backends.flax: query, key and value must share their batch dims; got "
+            "attn_backends_flax: query, key and value must share their batch dims; got "
             f"query {list(query.shape)}, key {list(key.shape)}, value {list(value.shape)}"
         )
     return tuple(batch)
@@ -398,7 +398,7 @@ def _pairwise(
     full = (*batch, hq, tq, tk)
     if x.ndim > len(full):
         raise ValueError(
-            f"attn_backends.flax: {name}: expected at most {len(full)} dims, broadcastable to "
+            f"attn_backends_flax: {name}: expected at most {len(full)} dims, broadcastable to "
             f"[batch..., heads, q_len, kv_len] = {list(full)}; got shape {list(x.shape)}"
         )
     given = x.shape
@@ -413,7 +413,7 @@ def _pairwise(
         x = jnp.broadcast_to(x, (*target_batch, heads, rows, tk))
     except ValueError:
         raise ValueError(
-            f"attn_backends.flax: {name}: shape {list(given)} does not broadcast to "
+            f"attn_backends_flax: {name}: shape {list(given)} does not broadcast to "
             f"[batch..., heads, q_len, kv_len] = {list(full)}"
         ) from None
     return x.reshape((math.prod(target_batch), heads, rows, tk))

@@ -50,7 +50,7 @@ def _worker(process: int, count: int, port: int, signatures: int, steps: int) ->
 
     calls = {"n": 0}
     if count > 1:
-        hosts = ab.registry.agree
+        hosts = ab.registry.features.plugin("hosts")
         from attn_backends.authoring import jax_api
 
         client = jax_api.distributed_client()

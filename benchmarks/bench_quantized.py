@@ -74,12 +74,12 @@ def _cache(paged: Any, pages: int, rng: np.random.Generator) -> Any:
     """A full pool of random K and V in ``paged``'s cache (values and scales)."""
     call = paged.call
     shape = (pages, call.page_size, call.kv_heads, call.head_dim)
-    if call.cache_dtype is None:
+    if call.kv_dtype is None:
         k = jnp.asarray(rng.normal(size=shape).astype(np.float32)).astype(call.dtype)
         return paged.from_canonical(k, k[::-1])
     values = jnp.asarray(rng.integers(-127, 128, size=shape).astype(np.int8))
-    if call.cache_dtype != "int8":
-        values = (values.astype(jnp.float32) / 8).astype(call.cache_dtype)
+    if call.kv_dtype != "int8":
+        values = (values.astype(jnp.float32) / 8).astype(call.kv_dtype)
     scales = jnp.asarray(rng.uniform(0.01, 0.02, size=shape[:3]).astype(np.float32))
     return paged.from_canonical(values, values[::-1], scales, scales[::-1])
 
@@ -98,11 +98,11 @@ def decode_table(args: argparse.Namespace) -> list[dict[str, Any]]:
     hot_batch = batch._replace(page_table=hot)
     registry = attn_backends.Registry(probe=None)
     runs, sizes = {}, {}
-    for dtype, cache_dtype in CACHES:
+    for dtype, kv_dtype in CACHES:
         for backend in ("native_cpu", "xla_native"):
             paged = registry.get_paged(device="cpu", backend=backend, num_q_heads=hq,
                                        num_kv_heads=hkv, head_dim=dim, page_size=page,
-                                       dtype=dtype, cache_dtype=cache_dtype, max_q_len=1)
+                                       dtype=dtype, kv_dtype=kv_dtype, max_q_len=1)
             cache = _cache(paged, pages, rng)
             q = jnp.asarray(rng.normal(size=(seqs, hq, dim)).astype(np.float32)).astype(dtype)
             step = jax.jit(paged.__call__).lower(q, cache, batch).compile()
@@ -110,7 +110,7 @@ def decode_table(args: argparse.Namespace) -> list[dict[str, Any]]:
             if backend == "native_cpu":
                 tables[HOT] = hot_batch
             for label, b in tables.items():
-                name = (label, cache_dtype or dtype)
+                name = (label, kv_dtype or dtype)
                 runs[name] = (lambda s=step, c=cache, q=q, b=b: s(q, c, b))
                 sizes[name] = sum(a.nbytes for a in cache.arrays)
     probe = jnp.ones(BUDGET // 4, jnp.float32)
@@ -182,20 +182,20 @@ def gemma_table(args: argparse.Namespace) -> list[dict[str, Any]]:
                           ("bfloat16", [None, "int8", "float8_e4m3fn", "float8_e5m2"])):
         model = attn_gemma3.load(None, dtype)
         ids = model.tokenize(text)[: 600 if args.quick else None]
-        for cache_dtype in caches:
+        for kv_dtype in caches:
             start = time.perf_counter()
-            ppl = model.perplexity(ids, cache_dtype=cache_dtype)
+            ppl = model.perplexity(ids, kv_dtype=kv_dtype)
             engine = model.last_engine
             tokens = model.generate_ids([model.tokenize(p) for p in prompts], new,
-                                        cache_dtype=cache_dtype)
-            if dtype == "bfloat16" and cache_dtype is None:
+                                        kv_dtype=kv_dtype)
+            if dtype == "bfloat16" and kv_dtype is None:
                 reference = tokens
             # Tokens equal up to each completion's first difference, and completions
             # equal whole, against the bfloat16 cache's.
             same = None if dtype != "bfloat16" else (
                 sum(_common_prefix(t, r) for t, r in zip(tokens, reference, strict=True)),
                 sum(t == r for t, r in zip(tokens, reference, strict=True)))
-            rows.append({"model": dtype, "cache": engine.cache_dtype, "tokens": len(ids),
+            rows.append({"model": dtype, "cache": engine.kv_dtype, "tokens": len(ids),
                          "perplexity": ppl, "bytes_per_token": engine.bytes_per_token(),
                          "requests_in_256MiB": engine.requests_in(BUDGET, 4096),
                          "greedy_equal": same, "greedy_total": sum(map(len, reference or [])),

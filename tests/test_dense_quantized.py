@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attn_backends.authoring import QUANTIZED_CACHE_DTYPES
+from attn_backends.authoring import QUANTIZED_KV_DTYPES
 from attn_backends.oracle import attention, dequantize_rows, quantize_rows
 
 B, T, HQ, HKV, D = 2, 40, 4, 2, 16
@@ -72,7 +72,7 @@ def test_bad_scales_and_unquantized_calls_are_named() -> None:
     assert "kv=int8" in call.describe()
 
 
-@pytest.mark.parametrize("kv_dtype", QUANTIZED_CACHE_DTYPES)
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES)
 def test_selection_passes_over_a_backend_reading_none_and_the_answer_is_the_oracles(
         registry: ab.Registry, kv_dtype: str) -> None:
     q, k, v, ks, vs = _arrays(kv_dtype)

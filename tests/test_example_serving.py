@@ -119,7 +119,7 @@ def test_an_int8_cache_serves_each_request_as_alone_and_says_its_bytes(model, re
     cache's bytes: a quarter of float32's values plus 4 bytes of scale."""
     params, vocab = model
     options = dict(page_size=PAGE_SIZE, num_pages=NUM_PAGES, chunk_budget=CHUNK, device="cpu",
-                   backend="xla_native", registry=REGISTRY, cache_dtype="int8")
+                   backend="xla_native", registry=REGISTRY, kv_dtype="int8")
     engine = serve.Engine(params, vocab, max_seqs=MAX_SEQS, **options)
     outputs = engine.run(requests)
     for r in requests[:2]:
@@ -128,6 +128,6 @@ def test_an_int8_cache_serves_each_request_as_alone_and_says_its_bytes(model, re
         assert alone[r.id] == outputs[r.id]
     summary = serve.summarize(engine, requests, outputs)
     dim = CFG.d_model // CFG.heads
-    assert summary.cache_dtype == "int8"
+    assert summary.kv_dtype == "int8"
     assert summary.bytes_per_token == CFG.layers * 2 * CFG.kv_heads * (dim + 4)
     assert "cache int8" in summary.line()

@@ -13,12 +13,12 @@ import attn_backends as ab
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attn_backends.authoring import QUANTIZED_CACHE_DTYPES, quantize
+from attn_backends.authoring import QUANTIZED_KV_DTYPES, quantize
 from attn_backends.oracle import paged_case
 from attn_backends.probe.paged_inputs import dequantize_rows, half_step, quantize_rows
 
 CALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype="float32")
-QUANTIZED = QUANTIZED_CACHE_DTYPES
+QUANTIZED = QUANTIZED_KV_DTYPES
 
 
 @pytest.fixture
@@ -26,14 +26,14 @@ def registry() -> ab.Registry:
     return ab.Registry(probe=None, only=["reference", "xla_native", "native_cpu"])
 
 
-@pytest.mark.parametrize("cache_dtype", QUANTIZED)
-def test_the_quantizer_equals_an_independent_numpy_one(cache_dtype: str) -> None:
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_the_quantizer_equals_an_independent_numpy_one(kv_dtype: str) -> None:
     rng = np.random.default_rng(3)
     # Rows of every magnitude: the float8 formats' subnormals and their top.
     x = rng.normal(size=(64, 2, 16)) * 10.0 ** rng.uniform(-6, 4, size=(64, 2, 1))
     x = x.astype(np.float32)
-    values, scales = (np.asarray(a) for a in quantize(jnp.asarray(x), cache_dtype))
-    want_values, want_scales = quantize_rows(x, cache_dtype)
+    values, scales = (np.asarray(a) for a in quantize(jnp.asarray(x), kv_dtype))
+    want_values, want_scales = quantize_rows(x, kv_dtype)
     assert values.dtype == want_values.dtype and scales.dtype == np.float32
     # XLA divides by the constant as a multiplication by its reciprocal: the
     # scales agree to float32 rounding, and a value may then round the other way.
@@ -41,7 +41,7 @@ def test_the_quantizer_equals_an_independent_numpy_one(cache_dtype: str) -> None
     differ = values.astype(np.float64) != want_values.astype(np.float64)
     assert differ.mean() < 0.01, f"{differ.sum()} of {differ.size} values differ"
     err = np.abs(dequantize_rows(values, scales) - x)
-    assert np.all(err <= half_step(values, cache_dtype) * scales[..., None]
+    assert np.all(err <= half_step(values, kv_dtype) * scales[..., None]
                   + 1e-6 * np.abs(x))
 
 
@@ -53,10 +53,10 @@ def test_zeros_and_non_finite_rows_follow_the_rule(dim: int) -> None:
     x[0] = 0.0
     x[1, 0, 3] = np.nan
     x[2, 1, 0] = -np.inf
-    for cache_dtype in QUANTIZED:
+    for kv_dtype in QUANTIZED:
         # Jitted, as write runs it. (A max over the row dropped a NaN inside
         # flash_pallas' write program at head dim 128: the suite's store case.)
-        run = jax.jit(lambda x, c=cache_dtype: quantize(x, c))
+        run = jax.jit(lambda x, c=kv_dtype: quantize(x, c))
         values, scales = (np.asarray(a).astype(np.float64) for a in run(jnp.asarray(x)))
         assert scales[0].tolist() == [0.0, 0.0] and not values[0].any()
         assert np.isnan(scales[1, 0]) and np.isnan(scales[2, 1])
@@ -66,20 +66,20 @@ def test_zeros_and_non_finite_rows_follow_the_rule(dim: int) -> None:
         np.testing.assert_allclose(values[2, 0] * scales[2, 0], 1.0, rtol=1e-6)
 
 
-def test_a_cache_dtype_that_is_not_quantized_is_named(registry: ab.Registry) -> None:
-    with pytest.raises(ValueError, match=r"cache_dtype: expected one of \['int8'"):
-        registry.get_paged(device="cpu", backend="reference", cache_dtype="float16", **CALL)
+def test_a_kv_dtype_that_is_not_quantized_is_named(registry: ab.Registry) -> None:
+    with pytest.raises(ValueError, match=r"kv_dtype: expected one of \['int8'"):
+        registry.get_paged(device="cpu", backend="reference", kv_dtype="float16", **CALL)
     # The call's own dtype is a cache in that dtype: no quantization.
-    plain = registry.get_paged(device="cpu", backend="reference", cache_dtype="float32",
+    plain = registry.get_paged(device="cpu", backend="reference", kv_dtype="float32",
                                **CALL)
-    assert plain.call.cache_dtype is None
+    assert plain.call.kv_dtype is None
 
 
 def test_bad_scales_and_unquantized_calls_are_named(registry: ab.Registry) -> None:
     case = paged_case([(2, 6), (1, 3)], page_size=4, hq=4, hkv=2, d=16, garbage=False,
-                      cache_dtype="int8")
+                      kv_dtype="int8")
     k, v, ks, vs = (jnp.asarray(x) for x in case.canonical())
-    int8 = registry.get_paged(device="cpu", backend="xla_native", cache_dtype="int8", **CALL)
+    int8 = registry.get_paged(device="cpu", backend="xla_native", kv_dtype="int8", **CALL)
     with pytest.raises(ValueError, match=r"k_scales: expected shape \[5, 4, 2\], got \[5, 4\]"):
         int8.from_canonical(k, v, ks[..., 0], vs)
     with pytest.raises(ValueError, match=r"v_scales: expected dtype float32 \(a quantized "
@@ -92,19 +92,19 @@ def test_bad_scales_and_unquantized_calls_are_named(registry: ab.Registry) -> No
     cache = int8.from_canonical(k, v, ks, vs)
 
     plain = registry.get_paged(device="cpu", backend="xla_native", **CALL)
-    # An int8 cache handed to a paged attention got without cache_dtype.
+    # An int8 cache handed to a paged attention got without kv_dtype.
     with pytest.raises(ValueError, match=r"cache: got a quantized cache \(4 arrays: int8, "
-                                         r"int8, float32, float32\).*cache_dtype='int8'"):
+                                         r"int8, float32, float32\).*kv_dtype='int8'"):
         plain(jnp.asarray(case.q), cache, case.batch())
     with pytest.raises(ValueError, match="k_pages: expected dtype float32, got int8; for a "
                                          "quantized cache get the paged attention with "
-                                         "cache_dtype='int8'"):
+                                         "kv_dtype='int8'"):
         plain.from_canonical(k, v)
     with pytest.raises(ValueError, match="k_scales: given, but this paged attention's cache "
                                          "is not quantized"):
         plain.from_canonical(k.astype(jnp.float32), v.astype(jnp.float32), ks, vs)
     # A float8 cache handed to an int8 attention: the array and both dtypes named.
-    fp8 = registry.get_paged(device="cpu", backend="xla_native", cache_dtype="float8_e5m2",
+    fp8 = registry.get_paged(device="cpu", backend="xla_native", kv_dtype="float8_e5m2",
                              **CALL)
     with pytest.raises(ValueError, match="cache: expected its k_pages .* dtype float8_e5m2, "
                                          "got .* dtype int8"):
@@ -119,18 +119,18 @@ def test_a_backend_reading_no_quantized_cache_is_passed_over_with_its_reason() -
 
     registry = ab.Registry(probe=None, autoload=False, plugins=[
         Plugin(make_paged_backend("plain", priority=99)), Plugin(XlaNativeBackend())])
-    explanation = registry.explain_paged(device="cpu", cache_dtype="float8_e4m3fn", **CALL)
+    explanation = registry.explain_paged(device="cpu", kv_dtype="float8_e4m3fn", **CALL)
     verdicts = {v.backend: v for v in explanation.verdicts}
     assert not verdicts["plain"].accepted
     assert verdicts["plain"].reasons == (
-        "cache_dtype float8_e4m3fn: reads no such quantized cache (reads none)",)
+        "kv dtype float8_e4m3fn: reads no such quantized K, V (reads none)",)
     assert explanation.chosen == "xla_native"
-    assert "cache_dtype=float8_e4m3fn" in str(explanation)
-    with pytest.warns(ab.FallbackWarning, match="passing over plain: cache_dtype"):
-        registry.get_paged(device="cpu", cache_dtype="float8_e4m3fn", **CALL)
+    assert "kv_dtype=float8_e4m3fn" in str(explanation)
+    with pytest.warns(ab.FallbackWarning, match="passing over plain: kv dtype"):
+        registry.get_paged(device="cpu", kv_dtype="float8_e4m3fn", **CALL)
     with pytest.raises(ab.UnsupportedError, match="backend='plain' cannot serve .* "
-                                                  "cache_dtype=int8 on cpu: cache_dtype int8"):
-        registry.get_paged(device="cpu", backend="plain", cache_dtype="int8", **CALL)
+                                                  "kv_dtype=int8 on cpu: kv dtype int8"):
+        registry.get_paged(device="cpu", backend="plain", kv_dtype="int8", **CALL)
 
 
 def test_a_quantized_cache_serves_step_after_step_as_a_user_keeps_it(
@@ -139,7 +139,7 @@ def test_a_quantized_cache_serves_step_after_step_as_a_user_keeps_it(
     prefill), equals the float64 oracle on the cache as it stands after each write."""
     import jax
 
-    paged = registry.get_paged(device="cpu", backend="xla_native", cache_dtype="int8", **CALL)
+    paged = registry.get_paged(device="cpu", backend="xla_native", kv_dtype="int8", **CALL)
     rng = np.random.default_rng(0)
     cache = paged.init_cache(8)
     step = jax.jit(lambda c, k, v, s, q, b: (lambda c2: (c2, paged(q, c2, b)))(
@@ -162,3 +162,19 @@ def test_a_quantized_cache_serves_step_after_step_as_a_user_keeps_it(
                       vp * vs[..., None].astype(np.float64), [0, new], [length], table, 1,
                       scale=paged.call.scale)
         np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_pre_0_2_names_of_quantized_k_and_v_still_work_and_say_so(registry) -> None:
+    from attn_backends.contract import call as contract_call
+
+    with pytest.warns(DeprecationWarning, match=r"cache_dtype= is deprecated: use kv_dtype="):
+        paged = registry.get_paged(device="cpu", cache_dtype="int8", **CALL)
+    assert paged.call.kv_dtype == "int8"
+    with pytest.warns(DeprecationWarning, match=r"PagedCall.cache_dtype is deprecated"):
+        assert paged.call.cache_dtype == "int8"
+    with pytest.warns(DeprecationWarning, match=r"cache_dtypes=\) is deprecated"):
+        caps = ab.PagedCapabilities(platforms={"cpu"}, cache_dtypes={"int8"})
+    assert caps.kv_dtypes == {"int8"}
+    with pytest.warns(DeprecationWarning, match=r"QUANTIZED_CACHE_DTYPES moved to "
+                                                r"attn_backends.authoring.QUANTIZED_KV_DTYPES"):
+        assert ab.QUANTIZED_CACHE_DTYPES == contract_call.QUANTIZED_KV_DTYPES

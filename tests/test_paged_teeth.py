@@ -52,7 +52,7 @@ from attn_backends.probe.paged_run import run_paged_probe
 backend = ab.Registry(probe=None, only=["xla_native"]).backend("xla_native")
 call = bind_paged(num_q_heads=8, num_kv_heads=2, head_dim=16, page_size=4, dtype="float32",
                   window=(3, None), softcap=20.0,
-                  cache_dtype=os.environ.get("ATTN_TEETH_CACHE_DTYPE") or None)
+                  kv_dtype=os.environ.get("ATTN_TEETH_CACHE_DTYPE") or None)
 print("REASONS " + json.dumps(run_paged_probe(backend, call, "cpu")))
 """
 
@@ -106,8 +106,8 @@ MUTANTS = {
     "quantized_write_drops_tokens": (
         # The pool already holding the suite's copy of a token must not hide it.
         [("attn_backends.contract.heads_first", "write",
-          "(k, k_scale), (v, v_scale) = (quantize(x, call.cache_dtype) for x in (k, v))",
-          "(k, k_scale), (v, v_scale) = (quantize(x, call.cache_dtype) for x in (k, v))\n"
+          "(k, k_scale), (v, v_scale) = (quantize(x, call.kv_dtype) for x in (k, v))",
+          "(k, k_scale), (v, v_scale) = (quantize(x, call.kv_dtype) for x in (k, v))\n"
           "        where = jnp.where(jnp.arange(where.shape[0]) < 4, where, flat)")],
         "test_paged_write and quantized-store-float32-int8", "quantized-store-float32-int8",
         "probe: write quantized K wrong"),
@@ -133,9 +133,9 @@ _EVERY_SELECTION = " or ".join(f"({m[1]})" for m in MUTANTS.values())
 
 
 def _run(script: str, edits: list, args: list[str], tmp_path: Path,
-         cache_dtype: str = "") -> tuple[int, str]:
+         kv_dtype: str = "") -> tuple[int, str]:
     env = dict(os.environ, ATTN_TEETH_EDITS=json.dumps(edits),
-               ATTN_BACKENDS_CACHE_DIR=str(tmp_path / "cache"), ATTN_TEETH_CACHE_DTYPE=cache_dtype)
+               ATTN_BACKENDS_CACHE_DIR=str(tmp_path / "cache"), ATTN_TEETH_CACHE_DTYPE=kv_dtype)
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
                           text=True, timeout=900)
     log = proc.stdout + proc.stderr
@@ -152,8 +152,8 @@ def _check(edits: list, selection: str, tmp_path: Path) -> tuple[int, str, dict]
     return code, log, json.loads(cert.read_text()) if cert.exists() else {}
 
 
-def _probe(edits: list, tmp_path: Path, cache_dtype: str = "") -> list[str]:
-    code, log = _run(_PROBE, edits, [], tmp_path, cache_dtype)
+def _probe(edits: list, tmp_path: Path, kv_dtype: str = "") -> list[str]:
+    code, log = _run(_PROBE, edits, [], tmp_path, kv_dtype)
     assert code == 0, log[-3000:]
     line = next(x for x in log.splitlines() if x.startswith("REASONS "))
     return json.loads(line[len("REASONS "):])

@@ -106,18 +106,18 @@ def test_tiles_twins_and_long_cases() -> None:
 
 
 def test_quantized_twins_are_those_of_quantized_tiles() -> None:
-    from attn_backends.authoring import FEATURES, QUANTIZED_CACHE_DTYPES, Capabilities
+    from attn_backends.authoring import FEATURES, QUANTIZED_KV_DTYPES, Capabilities
     from attn_backends_contracts.cases import QUANTIZED, QUANTIZED_TILES
 
     assert QUANTIZED_TILES <= {c.name for c in QUANTIZED}  # a typo would drop twins
     caps = Capabilities(platforms={"cpu"}, dtypes={"float32", "bfloat16"},
-                        kv_dtypes=set(QUANTIZED_CACHE_DTYPES), **{f: True for f in FEATURES},
+                        kv_dtypes=set(QUANTIZED_KV_DTYPES), **{f: True for f in FEATURES},
                         bias_grad=True, differentiable=True)
     twins = [c for c in cases_for(caps) if c.family == "quantized" and c.tiles]
     # Named here, not read from QUANTIZED_TILES: the one case whose twins the
     # family runs (GQA causal, Tq != Tk, across the small tiles), per kv dtype.
     assert sorted((c.name, c.dtype, c.kv_dtype) for c in twins) == sorted(
-        ("dense-causal-gqa", "float32", kv) for kv in QUANTIZED_CACHE_DTYPES)
+        ("dense-causal-gqa", "float32", kv) for kv in QUANTIZED_KV_DTYPES)
     assert not any(c.family == "quantized" and c.tiles for c in cases_for(caps, quick=True))
 
 

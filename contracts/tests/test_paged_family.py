@@ -46,32 +46,32 @@ def test_paged_cases_follow_the_paged_manifest() -> None:
     assert paged_cases.paged_unclaimed(backend) == [
         ("feature", "softcap"), ("feature", "window"), ("dtype", "float16"),
         ("dtype", "float32"), ("dtype", "float64"), ("page_size", "1"), ("head_dim", "1"),
-        ("cache_dtype", "int8"), ("cache_dtype", "float8_e4m3fn"),
-        ("cache_dtype", "float8_e5m2"), ("gradient", "q")]
+        ("kv_dtype", "int8"), ("kv_dtype", "float8_e4m3fn"),
+        ("kv_dtype", "float8_e5m2"), ("gradient", "q")]
     assert unclaimed["page_size"] == "1"
-    assert not any(c.cache_dtype for c in cases)  # it claims no quantized cache
+    assert not any(c.kv_dtype for c in cases)  # it claims no quantized cache
 
 
-def test_quantized_cases_follow_the_claimed_cache_dtypes() -> None:
+def test_quantized_cases_follow_the_claimed_kv_dtypes() -> None:
     backend = _backend(dtypes={"float32", "bfloat16"}, gqa=True, window=True, softcap=True,
-                       cache_dtypes={"int8", "float8_e5m2"})
-    cases = [c for c in paged_cases.paged_cases_for(backend) if c.cache_dtype]
+                       kv_dtypes={"int8", "float8_e5m2"})
+    cases = [c for c in paged_cases.paged_cases_for(backend) if c.kv_dtype]
     assert {c.family for c in cases} == {"quantized"}
-    assert {(c.cache_dtype, c.dtype) for c in cases} == {
+    assert {(c.kv_dtype, c.dtype) for c in cases} == {
         ("int8", "float32"), ("int8", "bfloat16"), ("float8_e5m2", "float32"),
         ("float8_e5m2", "bfloat16")}
-    names = {c.name for c in cases if c.cache_dtype == "int8" and c.dtype == "float32"}
+    names = {c.name for c in cases if c.kv_dtype == "int8" and c.dtype == "float32"}
     assert names == set(paged_cases.QUANTIZED_SWEEP)
     # Another cache dtype takes the same path with another element type: two cases.
-    assert {c.name for c in cases if c.cache_dtype == "float8_e5m2" and c.dtype == "float32"} \
+    assert {c.name for c in cases if c.kv_dtype == "float8_e5m2" and c.dtype == "float32"} \
         == {"mixed", "decode-max-q-len-1"}
     assert cases[0].id == "quantized-mixed-float32-int8"
-    quick = [c for c in paged_cases.paged_cases_for(backend, quick=True) if c.cache_dtype]
+    quick = [c for c in paged_cases.paged_cases_for(backend, quick=True) if c.kv_dtype]
     assert {c.name for c in quick} == {"mixed", "decode-max-q-len-1"}
-    stores = [c for c in paged_cases.paged_dtypes(backend) if c.cache_dtype]
-    assert [(c.cache_dtype, c.dtype) for c in stores] == [("float8_e5m2", "float32"),
+    stores = [c for c in paged_cases.paged_dtypes(backend) if c.kv_dtype]
+    assert [(c.kv_dtype, c.dtype) for c in stores] == [("float8_e5m2", "float32"),
                                                           ("int8", "float32")]
-    assert ("cache_dtype", "float8_e4m3fn") in paged_cases.paged_unclaimed(backend)
+    assert ("kv_dtype", "float8_e4m3fn") in paged_cases.paged_unclaimed(backend)
 
 
 def test_a_decode_only_manifest_gets_every_case_cut_to_its_max_q_len() -> None:

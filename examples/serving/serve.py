@@ -129,7 +129,7 @@ class Engine:
                  num_pages: int = 32, max_seqs: int = 4, chunk_budget: int = 8,
                  device: Any = None, backend: str | None = None,
                  registry: attn_backends.Registry | None = None, mesh: Any = None,
-                 heads_axis: str = "tp", cache_dtype: str | None = None):
+                 heads_axis: str = "tp", kv_dtype: str | None = None):
         registry = registry if registry is not None else attn_backends.registry
         self._by_heads: Any = lambda x: x  # where each device's heads are: one device
         self.cfg, self.page_size, self.max_seqs = cfg, page_size, max_seqs
@@ -138,9 +138,9 @@ class Engine:
         self.paged = registry.get_paged(
             device=device, backend=backend, num_q_heads=cfg.heads, num_kv_heads=cfg.kv_heads,
             head_dim=cfg.d_model // cfg.heads, page_size=page_size, dtype="float32",
-            cache_dtype=cache_dtype)
+            kv_dtype=kv_dtype)
         #: What the caches hold K and V in: float32, or a quantized dtype.
-        self.cache_dtype: str = self.paged.call.cache_dtype or "float32"
+        self.kv_dtype: str = self.paged.call.kv_dtype or "float32"
         self.backend: str = self.paged.backend.name  # sharded below or not, this one serves
         if mesh is not None:
             from attn_backends.parallel.paged import shard_paged_heads
@@ -308,7 +308,7 @@ class Summary:
     step_seconds: float
     backend: str
     layout: str
-    cache_dtype: str
+    kv_dtype: str
     bytes_per_token: float
     requests_in_budget: int
 
@@ -318,7 +318,7 @@ class Summary:
                 f"{self.row_occupancy:.0%} of rows, {self.seq_occupancy:.0%} of sequence slots; "
                 f"{1e3 * self.step_seconds:.1f} ms per step (median of the steps that compiled "
                 f"nothing); backend {self.backend} ({self.layout} layout); cache "
-                f"{self.cache_dtype}, {self.bytes_per_token:.0f} bytes per token: "
+                f"{self.kv_dtype}, {self.bytes_per_token:.0f} bytes per token: "
                 f"{self.requests_in_budget} requests of {CONFIG.seq} tokens in 1 MiB")
 
 
@@ -343,7 +343,7 @@ def summarize(engine: Engine, requests: Sequence[Request],
         row_occupancy=sum(n for r in records for *_, n in r.work) / sum(r.rows for r in records),
         seq_occupancy=sum(len(r.work) for r in records) / (len(records) * engine.max_seqs),
         step_seconds=float(np.median(warm or [r.seconds for r in records])),
-        backend=engine.backend, layout=engine.paged.layout, cache_dtype=engine.cache_dtype,
+        backend=engine.backend, layout=engine.paged.layout, kv_dtype=engine.kv_dtype,
         bytes_per_token=per_token, requests_in_budget=int(BUDGET // (per_token * CONFIG.seq)))
 
 
@@ -387,7 +387,7 @@ def demo_requests(lengths: Sequence[int] = (3, 20, 7, 12, 5), max_new: int = 8,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default=None, help="a paged backend (default: the registry's)")
-    parser.add_argument("--cache-dtype", default=None,
+    parser.add_argument("--kv-dtype", default=None,
                         choices=("int8", "float8_e4m3fn", "float8_e5m2"),
                         help="store the KV cache quantized (default: float32)")
     parser.add_argument("--checkpoint", default=transformer.SERVING_CHECKPOINT,
@@ -398,7 +398,7 @@ def main() -> None:
     weights = transformer.trained_params(CONFIG, steps, args.checkpoint, log_every=steps // 10)
     print(f"model: {os.path.relpath(args.checkpoint)} ({steps} steps, loss {weights.loss:.4f})")
     params = weights.params
-    engine = Engine(params, vocab, backend=args.backend, cache_dtype=args.cache_dtype)
+    engine = Engine(params, vocab, backend=args.backend, kv_dtype=args.kv_dtype)
     requests = demo_requests(max_new=12)  # the longest prompt, 20, fills the 32 positions
     outputs = engine.run(requests)
     for record in engine.records:
@@ -417,7 +417,7 @@ def main() -> None:
     print(summarize(engine, requests, outputs).line())
     # Decoding alone keeps float32 K and V: over a quantized cache a token may
     # differ where two were nearly tied, so only a float32 cache must match.
-    if differ and args.cache_dtype is None:
+    if differ and args.kv_dtype is None:
         sys.exit(f"requests {differ}: the engine's tokens differ from decoding each alone")
 
 

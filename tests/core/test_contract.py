@@ -184,3 +184,28 @@ def test_float64_reaches_only_a_backend_that_claims_it(fake_registry):
         att = reg.get(device="cpu", fallback="silent")
         assert att.explain(q, q, q).chosen == "wide"
         assert att(q, q, q).dtype == np.float64
+
+
+def test_one_keyword_definition_serves_the_call_bind_and_the_oracle(fake_registry):
+    from _support import make_backend
+    from attn_backends import oracle
+    from attn_backends.contract.call import KEYWORD_DEFAULTS, AttentionKeywords, LogitKeywords
+
+    assert list(KEYWORD_DEFAULTS) == ["scale", "causal", "window", "segment_ids", "q_lengths",
+                                      "kv_lengths", "mask", "bias", "softcap", "return_lse",
+                                      "dropout_rate", "dropout_key", "k_scales", "v_scales"]
+    assert set(AttentionKeywords.__annotations__) == set(KEYWORD_DEFAULTS)
+    q = k = v = np.ones((1, 4, 2, 8), np.float32)
+    typo = r"unexpected keyword argument\(s\) \['casual'\]; it takes .*causal"
+    with pytest.raises(TypeError, match=r"attention\(\) got " + typo):
+        bind(q, k, v, casual=True)
+    with pytest.raises(TypeError, match=r"attention\(\) got " + typo):
+        fake_registry(make_backend("fake")).get(device="cpu")(q, k, v, casual=True)
+    with pytest.raises(TypeError, match=r"oracle\.attention\(\) got " + typo):
+        oracle.attention(q, k, v, casual=True)
+    # The oracle takes the keywords that shape the weights, not the call's own.
+    assert "return_lse" not in LogitKeywords.__annotations__
+    with pytest.raises(TypeError, match=r"\['return_lse'\]"):
+        oracle.attention(q, k, v, return_lse=True)
+    out, _ = oracle.attention(q, k, v, causal=True, scale=0.5)
+    assert out.shape == (1, 4, 2, 8)

@@ -57,7 +57,7 @@ def test_a_refused_paged_backend_is_passed_over_with_its_reason(fake_registry):
 
 def test_unknown_names_in_prefer_and_options_warn(fake_registry):
     reg = fake_registry(make_paged_backend("pg"))
-    with pytest.warns(ab.AttnBackendsWarning, match="prefer: 'pgg' not installed"):
+    with pytest.warns(ab.AttnBackendsWarning, match=r"prefer=\['pgg'\]: 'pgg' not installed"):
         reg.get_paged(**CALL, prefer="pgg")
     with pytest.warns(ab.AttnBackendsWarning, match="backend_options: 'pq' not installed"):
         reg.get_paged(**CALL, backend_options={"pq": None})

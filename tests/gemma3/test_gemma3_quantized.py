@@ -24,13 +24,13 @@ def test_an_int8_cache_keeps_the_perplexity_in_half_the_bytes(model) -> None:
     ids = model.tokenize(TEXT.read_text())[:TOKENS]
     plain = model.perplexity(ids)
     engine = model.last_engine
-    assert engine.cache_dtype == "float32"
+    assert engine.kv_dtype == "float32"
     # 18 layers x K and V x 1 kv head x 256 dims x 4 bytes.
     assert engine.bytes_per_token() == 18 * 2 * 256 * 4
     assert engine.requests_in(256 << 20, 4096) == 1
-    int8 = model.perplexity(ids, cache_dtype="int8")
+    int8 = model.perplexity(ids, kv_dtype="int8")
     engine = model.last_engine
-    assert engine.cache_dtype == "int8"
+    assert engine.kv_dtype == "int8"
     assert set(engine.backends().values()) == {"native_cpu"}
     # Values of one byte and a float32 scale per position and head.
     assert engine.bytes_per_token() == 18 * 2 * (256 + 4)
@@ -45,7 +45,7 @@ def test_requests_served_together_over_an_int8_cache_equal_each_alone(model) -> 
     prompts = [model.tokenize(t) for t in ("The capital of France is",
                                            "def fibonacci(n):", "Once upon a time")]
     requests = [Request(i, tuple(p), 6, arrival=i) for i, p in enumerate(prompts)]
-    together = model.engine(64, max_seqs=3, cache_dtype="int8").run(requests)
+    together = model.engine(64, max_seqs=3, kv_dtype="int8").run(requests)
     for r in requests:
-        alone = model.engine(64, max_seqs=1, cache_dtype="int8").run([Request(r.id, r.prompt, 6)])
+        alone = model.engine(64, max_seqs=1, kv_dtype="int8").run([Request(r.id, r.prompt, 6)])
         assert together[r.id] == alone[r.id], (r.id, together[r.id], alone[r.id])

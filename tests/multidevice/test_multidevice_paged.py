@@ -123,19 +123,19 @@ def test_kv_heads_not_a_multiple_of_the_axis_is_refused(md_registry) -> None:
         shard_paged_heads(paged, _mesh(), "tp")
 
 
-@pytest.mark.parametrize("name, cache_dtype", [("reference", "int8"), ("xla_native", "int8"),
+@pytest.mark.parametrize("name, kv_dtype", [("reference", "int8"), ("xla_native", "int8"),
                                                ("xla_native", "float8_e4m3fn")])
 def test_a_quantized_cache_splits_over_heads_with_its_scales(md_registry, name,
-                                                             cache_dtype) -> None:
+                                                             kv_dtype) -> None:
     """A quantized cache's values and scales split over the heads axis: each device
     quantizes its own heads (a scale per position and head needs no other's), so
     the sharded write equals the unsharded one bitwise, and so does the attention
     up to float32 rounding (one jitted program against eager calls)."""
-    paged = md_registry.get_paged(device="cpu", backend=name, cache_dtype=cache_dtype, **CALL)
+    paged = md_registry.get_paged(device="cpu", backend=name, kv_dtype=kv_dtype, **CALL)
     sharded = shard_paged_heads(paged, _mesh(), "tp")
     assert len(sharded._cache_specs) == 4
     case = paged_case(SEQS, page_size=PS, hq=HQ, hkv=HKV, d=D, pad_rows=3,
-                      cache_dtype=cache_dtype)
+                      kv_dtype=kv_dtype)
     heads = jax.NamedSharding(_mesh(), HEADS)
     slots = np.concatenate([case.slots, [-1]]).astype(np.int32)
     k_rows, v_rows = (np.concatenate([x, np.full((1, HKV, D), np.nan, np.float32)])

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from attn_backends.contract.call import QUANTIZED_CACHE_DTYPES
+from attn_backends.contract.call import QUANTIZED_KV_DTYPES, AttentionKeywords
 from attn_backends.contract.capabilities import DTYPES
 from attn_backends.contract.environment import expected
 
@@ -93,13 +94,29 @@ def add_call_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bias", action="store_true", help="a dense [B,Hq,Tq,Tk] bias")
     parser.add_argument("--softcap", type=_softcap, default=None)
     parser.add_argument("--return-lse", action="store_true")
-    parser.add_argument("--kv-dtype", default=None, choices=QUANTIZED_CACHE_DTYPES,
-                        help="K and V quantized in this dtype, with float32 scales [B,Tk,Hkv]")
+    parser.add_argument("--kv-dtype", default=None, choices=QUANTIZED_KV_DTYPES,
+                        help="K and V quantized in this dtype, with float32 scales [B,Tk,Hkv] "
+                             "(with --paged: a cache stored quantized)")
+    parser.add_argument("--cache-dtype", action=RenamedFlag, dest="kv_dtype",
+                        choices=QUANTIZED_KV_DTYPES, help=argparse.SUPPRESS)
 
 
-def call_arguments(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]]:
+class RenamedFlag(argparse.Action):
+    """A flag's old spelling: stores as the new one, and says so on stderr
+    (``--cache-dtype`` is ``--kv-dtype`` since 0.2, one name for quantized K and V)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        print(f"attn-backends: {option_string} is deprecated, use {new} (the same values)",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def call_arguments(args: argparse.Namespace) -> tuple[Any, Any, Any, AttentionKeywords]:
     """q, k, v (ShapeDtypeStructs in ``args.layout``) and the keyword arguments of
-    the call the flags of :func:`add_call_flags` describe."""
+    the call the flags of :func:`add_call_flags` describe (the contract's
+    :class:`~attn_backends.contract.call.AttentionKeywords`)."""
     import jax
     import jax.numpy as jnp
 
@@ -114,7 +131,7 @@ def call_arguments(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
     # the same in both.
     kv_dtype = dtype if args.kv_dtype is None else jnp.dtype(args.kv_dtype)
     q, k, v = sds(args.q, dtype), sds(args.kv, kv_dtype), sds((*args.kv[:3], dv), kv_dtype)
-    kwargs: dict[str, Any] = {
+    kwargs: AttentionKeywords = {
         "causal": args.causal,
         "window": args.window,
         "softcap": args.softcap,

@@ -11,7 +11,6 @@ from typing import Any, TextIO
 
 from attn_backends.contract.capabilities import DTYPES
 from attn_backends.contract.errors import AttnBackendsError, AttnBackendsWarning
-from attn_backends.contract.paged import QUANTIZED_CACHE_DTYPES
 
 from . import report as _report
 from .call_flags import add_call_flags, call_arguments, ints, margin, positive, seq_lengths
@@ -103,7 +102,7 @@ def cmd_explain_paged(args: argparse.Namespace) -> int:
         prefer=args.prefer.split(",") if args.prefer else None,
         num_q_heads=args.heads[0], num_kv_heads=args.heads[1], head_dim=args.head_dim,
         page_size=args.page_size, dtype=args.dtype, softcap=args.softcap,
-        window=args.window, max_q_len=args.max_q_len, cache_dtype=args.cache_dtype)
+        window=args.window, max_q_len=args.max_q_len, kv_dtype=args.kv_dtype)
     print(explanation.to_json() if args.json else explanation)
     return 0 if explanation.chosen else 1
 
@@ -280,8 +279,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --paged: positions per page")
     p_exp.add_argument("--max-q-len", type=positive, default=None,
                        help="with --paged: most query rows per sequence (1: decode)")
-    p_exp.add_argument("--cache-dtype", default=None, choices=QUANTIZED_CACHE_DTYPES,
-                       help="with --paged: a cache stored quantized (values and scales)")
     add_call_flags(p_exp)
     p_exp.add_argument("--tuning", default=None, metavar="TABLE",
                        help="a tuning table (default: ATTN_BACKENDS_TUNING or the cache's)")

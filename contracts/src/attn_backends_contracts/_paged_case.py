@@ -22,7 +22,7 @@ class PagedSuiteCase:
     ``extra_cols``, ``spare_pages`` as in
     :func:`attn_backends.oracle.paged_case`. The call: ``q_heads``,
     ``kv_heads``, ``head_dim``, ``page_size``, ``dtype``, ``scale``,
-    ``softcap``, ``window=(window_left, None)``, ``max_q_len``, ``cache_dtype``
+    ``softcap``, ``window=(window_left, None)``, ``max_q_len``, ``kv_dtype``
     (a quantized cache: the ``quantized`` family, whose ``store`` cases check
     the quantizer's rule instead of bitwise writes).
     """
@@ -46,15 +46,15 @@ class PagedSuiteCase:
     max_q_len: int | None = None
     quick: bool = False
     #: A quantized cache's dtype (the ``quantized`` family), or None.
-    cache_dtype: str | None = None
+    kv_dtype: str | None = None
 
     @property
     def family(self) -> str:
-        return "paged" if self.cache_dtype is None else "quantized"
+        return "paged" if self.kv_dtype is None else "quantized"
 
     @property
     def id(self) -> str:
-        stored = "" if self.cache_dtype is None else f"-{self.cache_dtype}"
+        stored = "" if self.kv_dtype is None else f"-{self.kv_dtype}"
         return f"{self.family}-{self.name}-{self.dtype}{stored}"
 
     @property
@@ -66,4 +66,4 @@ class PagedSuiteCase:
         return dict(num_q_heads=self.q_heads, num_kv_heads=self.kv_heads,
                     head_dim=self.head_dim, page_size=self.page_size, dtype=self.dtype,
                     scale=self.scale, softcap=self.softcap, window=self.window,
-                    max_q_len=self.max_q_len, cache_dtype=self.cache_dtype)
+                    max_q_len=self.max_q_len, kv_dtype=self.kv_dtype)

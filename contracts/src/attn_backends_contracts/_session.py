@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from attn_backends.authoring import CLAIMABLE_DTYPES, PLATFORMS, QUANTIZED_CACHE_DTYPES
+from attn_backends.authoring import CLAIMABLE_DTYPES, PLATFORMS, QUANTIZED_KV_DTYPES
 from attn_backends.contract.environment import platform_name
 
 from ._inputs import wide, x64_for
@@ -245,7 +245,7 @@ class Suite:
         out = [("feature", f) for f in attn_backends.FEATURES if f not in caps.features]
         out += [("dtype", d) for d in sorted(CLAIMABLE_DTYPES - caps.dtypes)]
         out += [("platform", p) for p in sorted(PLATFORMS - caps.platforms)]
-        out += [("kv_dtype", d) for d in QUANTIZED_CACHE_DTYPES
+        out += [("kv_dtype", d) for d in QUANTIZED_KV_DTYPES
                 if d not in caps.kv_dtypes]
         rejected = next((d for d in range(1, 4097) if caps.head_dims.reasons(d, "d")), None)
         if rejected is not None:

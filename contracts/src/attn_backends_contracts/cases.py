@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from attn_backends.authoring import QUANTIZED_CACHE_DTYPES
+from attn_backends.authoring import QUANTIZED_KV_DTYPES
 
 # Re-exported: a case, the garbage value and the arrays of a case, beside the tables.
 from ._case import GARBAGE as GARBAGE
@@ -366,9 +366,9 @@ def cases_for(capabilities: Any, *, quick: bool = False, tiles: bool = True) -> 
 
 def quantized_cases(capabilities: Any, primary: str, quick: bool) -> list[Case]:
     """:data:`QUANTIZED` for the manifest's ``kv_dtypes``: every case for the first
-    (in ``QUANTIZED_CACHE_DTYPES``' order), the quick ones for the
+    (in ``QUANTIZED_KV_DTYPES``' order), the quick ones for the
     others, and the first quick one in bfloat16 when claimed beside ``primary``."""
-    kv_dtypes = [d for d in QUANTIZED_CACHE_DTYPES
+    kv_dtypes = [d for d in QUANTIZED_KV_DTYPES
                  if d in getattr(capabilities, "kv_dtypes", ())]
     out = [replace(c, dtype=primary, kv_dtype=kv) for i, kv in enumerate(kv_dtypes)
            for c in QUANTIZED if c.quick or (i == 0 and not quick)]

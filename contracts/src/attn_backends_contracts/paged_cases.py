@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from attn_backends.authoring import CLAIMABLE_DTYPES, PAGED_FEATURES, QUANTIZED_CACHE_DTYPES
+from attn_backends.authoring import CLAIMABLE_DTYPES, PAGED_FEATURES, QUANTIZED_KV_DTYPES
 from attn_backends.oracle import PagedCase, paged_case
 
 from ._paged_case import PagedSuiteCase
@@ -189,11 +189,11 @@ def paged_cases_for(backend: Any, *, quick: bool = False) -> list[PagedSuiteCase
             (replace(c, page_size=p, head_dim=d, dtype=primary) for c in _table(p))
             if _claimed(c, pcaps)}
     sweep = [full[n] for n in QUANTIZED_SWEEP if n in full]
-    ordered = sorted(pcaps.cache_dtypes, key=lambda dt: (dt != "int8", dt))
-    for i, cache_dtype in enumerate(ordered):
-        out += [replace(c, cache_dtype=cache_dtype) for c in sweep[: 2 if quick or i else None]]
+    ordered = sorted(pcaps.kv_dtypes, key=lambda dt: (dt != "int8", dt))
+    for i, kv_dtype in enumerate(ordered):
+        out += [replace(c, kv_dtype=kv_dtype) for c in sweep[: 2 if quick or i else None]]
         if "bfloat16" in pcaps.dtypes - {primary} and sweep:
-            out.append(replace(sweep[0], cache_dtype=cache_dtype, dtype="bfloat16"))
+            out.append(replace(sweep[0], kv_dtype=kv_dtype, dtype="bfloat16"))
     return out
 
 
@@ -237,8 +237,8 @@ def paged_dtypes(backend: Any) -> list[PagedSuiteCase]:
     store = PagedSuiteCase("store", kind="store", seqs=((3, 2 * p - 1), (1, 2 * p + 1)),
                            page_size=p, head_dim=d, quick=True)
     return ([replace(store, dtype=dtype) for dtype in sorted(pcaps.dtypes)]
-            + [replace(store, dtype=_primary(pcaps.dtypes), cache_dtype=cache_dtype)
-               for cache_dtype in sorted(pcaps.cache_dtypes)])
+            + [replace(store, dtype=_primary(pcaps.dtypes), kv_dtype=kv_dtype)
+               for kv_dtype in sorted(pcaps.kv_dtypes)])
 
 
 def paged_unclaimed(backend: Any) -> list[tuple[str, str]]:
@@ -258,8 +258,8 @@ def paged_unclaimed(backend: Any) -> list[tuple[str, str]]:
         out.append(("head_dim", str(rejected)))
     if pcaps.max_q_len is not None:
         out.append(("max_q_len", str(pcaps.max_q_len + 1)))
-    out += [("cache_dtype", dt) for dt in QUANTIZED_CACHE_DTYPES
-            if dt not in pcaps.cache_dtypes]
+    out += [("kv_dtype", dt) for dt in QUANTIZED_KV_DTYPES
+            if dt not in pcaps.kv_dtypes]
     out.append(("gradient", "q"))
     return out
 
@@ -278,8 +278,8 @@ def unclaimed_case(backend: Any, kind: str, value: str) -> PagedSuiteCase:
         return replace(base, **extra)
     if kind == "dtype":
         return replace(base, dtype=value)
-    if kind == "cache_dtype":
-        return replace(base, cache_dtype=value)
+    if kind == "kv_dtype":
+        return replace(base, kv_dtype=value)
     if kind in ("page_size", "head_dim", "max_q_len"):
         return replace(base, **{kind: int(value)})
     return base

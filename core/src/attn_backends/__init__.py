@@ -84,7 +84,8 @@ def __getattr__(name: str) -> object:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in MOVED:
-        warnings.warn(f"attn_backends.{name} moved to {MOVED[name]}.{name}; the old name "
+        new = "QUANTIZED_KV_DTYPES" if name == "QUANTIZED_CACHE_DTYPES" else name
+        warnings.warn(f"attn_backends.{name} moved to {MOVED[name]}.{new}; the old name "
                       "goes in attn-backends 0.3", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(MOVED[name]), name)
+        return getattr(importlib.import_module(MOVED[name]), new)
     raise AttributeError(f"module 'attn_backends' has no attribute {name!r}")

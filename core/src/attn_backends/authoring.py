@@ -8,7 +8,7 @@ The plugin API: :class:`Backend`, its :class:`Capabilities` manifest
 (:class:`AttentionCall`, :class:`Operands`), the paged contract
 (:class:`PagedBackend`, :class:`PagedCapabilities`, :class:`PagedCall`,
 :class:`PagedBatch`, :class:`KVCache`, :data:`CANONICAL_LAYOUT`,
-:data:`PAGED_FEATURES`, :data:`QUANTIZED_CACHE_DTYPES` and their ranges,
+:data:`PAGED_FEATURES`, :data:`QUANTIZED_KV_DTYPES` and their ranges,
 :data:`LARGEST`) and
 :class:`UnsupportedError`. Every helper is optional: a backend is a
 :class:`Backend` subclass with a :class:`Capabilities` manifest either way.
@@ -60,7 +60,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from .contract import heads_first, jax_api
 from .contract.backend import Backend, hookimpl
-from .contract.call import DTYPES, FEATURES, QUANTIZED_CACHE_DTYPES, AttentionCall, Operands
+from .contract.call import DTYPES, FEATURES, QUANTIZED_KV_DTYPES, AttentionCall, Operands
 from .contract.capabilities import CLAIMABLE_DTYPES, Capabilities, HeadDims
 from .contract.environment import PLATFORMS, env_flag, vary_like
 from .contract.errors import UnsupportedError
@@ -85,7 +85,7 @@ __all__ = [
     "FEATURES",
     "PAGED_FEATURES",
     "PLATFORMS",
-    "QUANTIZED_CACHE_DTYPES",
+    "QUANTIZED_KV_DTYPES",
     "UNKNOWN_VERSION",
     "AttentionCall",
     "Backend",
@@ -440,3 +440,11 @@ class InterpretSwitch:
 
     def __repr__(self) -> str:
         return f"<InterpretSwitch {self.env_var} of {self.package}>"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "QUANTIZED_CACHE_DTYPES":  # its name before 0.2
+        from .contract import call
+
+        return getattr(call, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

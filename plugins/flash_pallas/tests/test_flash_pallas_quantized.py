@@ -28,20 +28,20 @@ from attn_backends.probe.tolerances import compare, tolerance
 CALL = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, max_q_len=1)
 
 
-@pytest.mark.parametrize("cache_dtype, dtype, window", [
+@pytest.mark.parametrize("kv_dtype, dtype, window", [
     ("int8", "bfloat16", None), ("float8_e4m3fn", "float32", 20), ("float8_e5m2", "float32", None)])
-def test_decode_steps_read_the_quantized_pages_in_interpret_mode(monkeypatch, cache_dtype,
+def test_decode_steps_read_the_quantized_pages_in_interpret_mode(monkeypatch, kv_dtype,
                                                                  dtype, window):
     monkeypatch.setenv("ATTN_BACKENDS_PALLAS_INTERPRET", "1")
     paged = ab.Registry(probe=None).get_paged(
-        device="cpu", backend="flash_pallas", dtype=dtype, cache_dtype=cache_dtype,
+        device="cpu", backend="flash_pallas", dtype=dtype, kv_dtype=kv_dtype,
         softcap=20.0, window=None if window is None else (window, None), **CALL)
     assert paged.layout == "heads_first"
     # Three decode steps over 1 to 3 pages (the last partial), an uncounted row
     # and padding rows; garbage in every unused value and scale slot.
     seqs = [(1, 40), (1, 16), (1, 3), (1, 9)]
     dirty, clean = (paged_case(seqs, page_size=16, hq=8, hkv=2, d=128, num_seqs=3, pad_rows=2,
-                               garbage=g, cache_dtype=cache_dtype) for g in (True, False))
+                               garbage=g, kv_dtype=kv_dtype) for g in (True, False))
     step = jax.jit(lambda q, b, *a: paged(q, paged.from_canonical(*a), b))
     q = jnp.asarray(clean.q).astype(dtype)
     outs = [np.asarray(step(q, c.batch(), *(jnp.asarray(x) for x in c.canonical())))
@@ -58,13 +58,13 @@ def test_calls_other_than_decode_steps_are_declined_with_the_reason() -> None:
     with pytest.raises(ab.UnsupportedError, match="max_q_len=None: the quantized decode "
                                                   "kernel takes one query row per sequence"):
         registry.get_paged(device="tpu", backend="flash_pallas", dtype="bfloat16",
-                           cache_dtype="int8", **{**CALL, "max_q_len": None})
+                           kv_dtype="int8", **{**CALL, "max_q_len": None})
 
 
 def test_tpu_export_reads_the_int8_pages_and_scales_in_place(monkeypatch) -> None:
     monkeypatch.delenv("ATTN_BACKENDS_PALLAS_INTERPRET", raising=False)
     paged = ab.registry.get_paged(device="tpu", backend="flash_pallas", dtype="bfloat16",
-                                  cache_dtype="int8", **CALL)
+                                  kv_dtype="int8", **CALL)
     spec = jax.ShapeDtypeStruct
     cache = jax.eval_shape(lambda: paged.init_cache(POOL))
     i32 = jnp.int32

@@ -22,7 +22,7 @@ import attn_backends as ab
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attn_backends.authoring import QUANTIZED_CACHE_DTYPES
+from attn_backends.authoring import QUANTIZED_KV_DTYPES
 from attn_backends.oracle import paged_case
 from attn_backends.tolerances import compare, tolerance
 
@@ -38,22 +38,22 @@ SHAPES = [pytest.param(8, 2, 128, {}, id="gqa4-d128"),
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d", "call"), SHAPES)
-@pytest.mark.parametrize("cache_dtype", QUANTIZED_CACHE_DTYPES)
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES)
 def test_bfloat16_decode_over_a_quantized_cache_matches_the_oracle(
-        cache_dtype: str, hq: int, hkv: int, d: int, call: dict) -> None:
+        kv_dtype: str, hq: int, hkv: int, d: int, call: dict) -> None:
     case = paged_case(SEQS, page_size=16, hq=hq, hkv=hkv, d=d, seed=3,
-                      cache_dtype=cache_dtype)
+                      kv_dtype=kv_dtype)
     case.q = np.asarray(jnp.asarray(case.q, jnp.bfloat16).astype(jnp.float32))
     paged = ab.Registry(probe=None).get_paged(
         device="cpu", backend="native_cpu", num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-        page_size=16, dtype="bfloat16", cache_dtype=cache_dtype, **call)
+        page_size=16, dtype="bfloat16", kv_dtype=kv_dtype, **call)
     cache = paged.from_canonical(*(jnp.asarray(x) for x in case.canonical()))
     out = paged(jnp.asarray(case.q, jnp.bfloat16), cache, case.batch())
     got = np.asarray(out.astype(jnp.float32), np.float64)
     rows = int(case.cu_q_lens[case.num_seqs])
     want = case.expected(**call)[:rows]
     wrong = compare("out", got[:rows], want, tolerance("bfloat16", "out", platform="cpu"))
-    assert wrong is None, f"{cache_dtype} hq={hq} hkv={hkv} d={d} {call}: {wrong}"
+    assert wrong is None, f"{kv_dtype} hq={hq} hkv={hkv} d={d} {call}: {wrong}"
 
 
 # The features the decode tiles by bfloat16 products need (dispatch.cc).
@@ -63,10 +63,10 @@ import sys
 import attn_backends as ab, jax.numpy as jnp, numpy as np
 from attn_backends.oracle import paged_case
 case = paged_case([(1, 300), (2, 70)], page_size=16, hq=8, hkv=2, d=128, seed=5,
-                  cache_dtype="int8")
+                  kv_dtype="int8")
 paged = ab.Registry(probe=None).get_paged(
     device="cpu", backend="native_cpu", num_q_heads=8, num_kv_heads=2, head_dim=128,
-    page_size=16, dtype="bfloat16", cache_dtype="int8")
+    page_size=16, dtype="bfloat16", kv_dtype="int8")
 cache = paged.from_canonical(*(jnp.asarray(x) for x in case.canonical()))
 out = paged(jnp.asarray(case.q, jnp.bfloat16), cache, case.batch())
 sys.stdout.write(np.asarray(out.astype(jnp.float32)).tobytes().hex())

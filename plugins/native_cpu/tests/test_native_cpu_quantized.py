@@ -15,17 +15,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from attn_backends.authoring import QUANTIZED_CACHE_DTYPES
+from attn_backends.authoring import QUANTIZED_KV_DTYPES
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("heads", [2, 16], ids=["decode-tile", "prefill-tile"])
-@pytest.mark.parametrize("cache_dtype", QUANTIZED_CACHE_DTYPES)
-def test_every_byte_reads_as_its_format_says(cache_dtype: str, heads: int, dtype: str) -> None:
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES)
+def test_every_byte_reads_as_its_format_says(kv_dtype: str, heads: int, dtype: str) -> None:
     paged = ab.Registry(probe=None).get_paged(
         device="cpu", backend="native_cpu", num_q_heads=heads, num_kv_heads=1, head_dim=128,
-        page_size=1, dtype=dtype, cache_dtype=cache_dtype)
-    stored = np.dtype(getattr(ml_dtypes, cache_dtype, cache_dtype))
+        page_size=1, dtype=dtype, kv_dtype=kv_dtype)
+    stored = np.dtype(getattr(ml_dtypes, kv_dtype, kv_dtype))
     batch = ab.PagedBatch(jnp.asarray([0, 1], jnp.int32), jnp.asarray([1], jnp.int32),
                           jnp.zeros((1, 1), jnp.int32), jnp.int32(1))
     q = jnp.ones((1, heads, 128), dtype)

@@ -47,8 +47,8 @@ def _special_rows(k: np.ndarray) -> np.ndarray:
 def check_quantized_write(paged: Any, batch: Any, case_id: str) -> None:
     """Assert the quantizer's rule on ``paged.write`` over ``batch``'s pool (a
     quantized case with garbage in its unused slots)."""
-    cache_dtype = paged.call.cache_dtype
-    largest = LARGEST[cache_dtype]
+    kv_dtype = paged.call.kv_dtype
+    largest = LARGEST[kv_dtype]
     hkv, d = paged.call.kv_heads, paged.call.head_dim
     assert batch.slots.size >= 4, f"{case_id}: the store case needs 4 tokens"
     pad = np.array([-1, -2, -(2**30)], np.int32)
@@ -90,12 +90,12 @@ def check_quantized_write(paged: Any, batch: Any, case_id: str) -> None:
                           f"{want_s[~ok][0]!r} (a non-finite head: NaN)")
         assert not got_v[~finite].any(), (
             f"{what}: a (position, head) holding NaN or Inf must store values 0 (scale NaN)")
-        if cache_dtype == "int8":
+        if kv_dtype == "int8":
             assert got_v.min() >= -127 and got_v.max() <= 127, (
                 f"{what}: int8 values must lie in [-127, 127], got [{got_v.min():g}, "
                 f"{got_v.max():g}]")
         err = np.abs(dequantize_rows(got_v, got_s) - x)[finite]
-        bound = (half_step(values[batch.slots], cache_dtype) * got_s[..., None])[finite]
+        bound = (half_step(values[batch.slots], kv_dtype) * got_s[..., None])[finite]
         # The division x / scale is rounded to float32 before values are rounded.
         slack = 1e-6 * np.abs(x[finite]) + 1e-30
         worst = np.max((err - bound - slack) / np.maximum(bound, 1e-30))

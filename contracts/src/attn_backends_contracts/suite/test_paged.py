@@ -13,7 +13,7 @@ layout's round trip through the canonical view, exact, in each claimed dtype.
 Whatever the manifest does not claim, and any gradient, must be refused.
 
 The ``quantized`` family is these tests on a cache stored quantized, in each
-cache dtype the manifest claims (``PagedCapabilities.cache_dtypes``): the
+cache dtype the manifest claims (``PagedCapabilities.kv_dtypes``): the
 oracle reads the dequantized cache exactly, so the output is judged at the
 query dtype's tolerance; garbage fills unused values and scale slots; the
 quantizer ``write`` applies is checked on its own (:mod:`._quantized`).
@@ -72,7 +72,7 @@ def _batch_case(case: PagedSuiteCase, *, garbage: bool) -> Any:
                       d=case.head_dim, num_seqs=case.num_seqs, order=case.order,
                       pad_rows=case.pad_rows, extra_cols=case.extra_cols,
                       spare_pages=case.spare_pages, garbage=garbage,
-                      cache_dtype=case.cache_dtype)
+                      kv_dtype=case.kv_dtype)
 
 
 def _canonical(batch: Any, dtype: str) -> list[Any]:
@@ -167,7 +167,7 @@ def test_paged_write(attn_suite: Any, attn_paged_dtype: Any) -> None:
     """``write`` (jitted, the cache donated) puts every token at its slot, leaves every
     other slot bitwise unchanged and never writes a padding (negative-slot) token."""
     suite, case = attn_suite, _applies(attn_paged_dtype)
-    if case.cache_dtype is not None:
+    if case.kv_dtype is not None:
         check_quantized_write(_paged(suite, case), _batch_case(case, garbage=True), case.id)
         return
     with x64_for(case.dtype):

@@ -15,12 +15,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 
 from ..contract.backend import Backend
-from ..contract.call import AttentionCall, Operands
+from ..contract.call import AttentionCall, AttentionKeywords, Operands
 from ..contract.environment import is_sharded, process_count, tuning_table, varying_axes
 from ..contract.errors import (
     AgreementError,
@@ -81,7 +81,8 @@ class Attention:
     ``attention(q, k, v, *, scale=None, causal=False, window=None,
     segment_ids=None, q_lengths=None, kv_lengths=None, mask=None, bias=None,
     softcap=None, return_lse=False, dropout_rate=0.0, dropout_key=None,
-    k_scales=None, v_scales=None)`` with q ``[B, Tq, Hq, D]``, k
+    k_scales=None, v_scales=None)`` (the keywords of
+    :class:`~attn_backends.contract.call.AttentionKeywords`) with q ``[B, Tq, Hq, D]``, k
     ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` returns out ``[B, Tq, Hq, Dv]``
     (and lse ``[B, Hq, Tq]`` float32 with ``return_lse=True``). With
     ``layout="BHTD"`` q, k, v and out are ``[B, H, T, D]`` instead, transposed
@@ -278,33 +279,7 @@ class Attention:
             warn(message, FallbackWarning)
         return self.registry.backend(explanation.chosen)
 
-    def __call__(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        *,
-        scale: float | None = None,
-        causal: bool = False,
-        window: tuple[int | None, int | None] | None = None,
-        segment_ids: tuple[Any, Any] | None = None,
-        q_lengths: Any = None,
-        kv_lengths: Any = None,
-        mask: Any = None,
-        bias: Any = None,
-        softcap: float | None = None,
-        return_lse: bool = False,
-        dropout_rate: float = 0.0,
-        dropout_key: Any = None,
-        k_scales: Any = None,
-        v_scales: Any = None,
-    ) -> Any:
-        kwargs = dict(
-            scale=scale, causal=causal, window=window, segment_ids=segment_ids,
-            q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, bias=bias,
-            softcap=softcap, return_lse=return_lse, dropout_rate=dropout_rate,
-            dropout_key=dropout_key, k_scales=k_scales, v_scales=v_scales,
-        )
+    def __call__(self, q: Any, k: Any, v: Any, **kwargs: Unpack[AttentionKeywords]) -> Any:
         if self.layout == "BTNH":
             return self._attend(q, k, v, **kwargs)
         # Transposed in and out: under jit XLA gives the backend's matmuls these
@@ -312,7 +287,7 @@ class Attention:
         from .bhtd import swap_heads_and_length, to_contract_layout
 
         result = self._attend(*to_contract_layout(q, k, v), **kwargs)
-        if return_lse:
+        if kwargs.get("return_lse"):
             out, lse = result
             return swap_heads_and_length(out), lse
         return swap_heads_and_length(result)

@@ -290,7 +290,7 @@ class PagedAttention:
                        v_scales: Any = None) -> KVCache:
         """A cache in this backend's layout holding K and V ``[num_pages, page_size,
         Hkv, D]`` (from another attention's ``to_canonical``), exact. A quantized
-        call's K and V are its ``cache_dtype`` values, with their scales float32
+        call's K and V are its ``kv_dtype`` values, with their scales float32
         ``[num_pages, page_size, Hkv]`` (``x ~= value * scale``)."""
         from ..contract.paged_bind import check_canonical
 

@@ -202,23 +202,8 @@ class Registry:
                              "\"Measured selection\")")
         if isinstance(prefer, str):
             prefer = (prefer,)
-        unknown = sorted(set(prefer or ()) - set(self.backends))
-        if unknown:
-            # Not an error: model code may prefer a backend installed only on
-            # some machines. But a typo must not pass unnoticed.
-            warn(
-                f"prefer={list(prefer or ())}: {', '.join(map(repr, unknown))} not installed "
-                f"(installed: {', '.join(sorted(self.backends)) or 'none'}); ignored",
-                AttnBackendsWarning,
-            )
-        mistyped = sorted(set(backend_options or {}) - set(self.backends))
-        if mistyped:
-            # Options for a backend not installed here would never reach it.
-            warn(
-                f"backend_options: {', '.join(map(repr, mistyped))} not installed "
-                f"(installed: {', '.join(sorted(self.backends)) or 'none'}); ignored",
-                AttnBackendsWarning,
-            )
+        self._not_installed("prefer", prefer or ())
+        self._not_installed("backend_options", backend_options or {})
         return Attention(
             self,
             platforms=resolve_all(device),
@@ -249,6 +234,7 @@ class Registry:
         softcap: float | None = None,
         window: tuple[int, None] | None = None,
         max_q_len: int | None = None,
+        kv_dtype: Any = None,
         cache_dtype: Any = None,
     ) -> PagedAttention:
         """A :class:`~attn_backends.choose.paged.PagedAttention` for ``device``:
@@ -261,7 +247,7 @@ class Registry:
         pages of ``page_size`` positions, ``dtype``; ``scale`` (default
         ``head_dim ** -0.5``), ``softcap``, ``window=(left, None)``; ``max_q_len``
         the most query rows one sequence has in a batch (None: any);
-        ``cache_dtype``: "int8", "float8_e4m3fn" or "float8_e5m2" for a cache
+        ``kv_dtype``: "int8", "float8_e4m3fn" or "float8_e5m2" for a cache
         stored quantized, values and a float32 scale per position and kv head
         (None: K and V in ``dtype``; docs/DESIGN.md, "Quantized caches").
 
@@ -276,7 +262,7 @@ class Registry:
         call = bind_paged(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, page_size=page_size, dtype=dtype, scale=scale,
                           softcap=softcap, window=window, max_q_len=max_q_len,
-                          cache_dtype=cache_dtype)
+                          kv_dtype=kv_dtype, cache_dtype=cache_dtype)
         explanation, present = self._explain_paged(call, device, backend, prefer, fallback,
                                                    backend_options)
         chosen = choose_paged(explanation, pinned=backend, fallback=fallback)
@@ -308,13 +294,8 @@ class Registry:
         platform, present = platforms[0]
         candidates = self.backends if backend is None else {backend: self.backend(backend)}
         prefer = (prefer,) if isinstance(prefer, str) else tuple(prefer or ())
-        for what, names in (("prefer", prefer), ("backend_options", backend_options or {})):
-            unknown = sorted(set(names) - set(self.backends))
-            if unknown:
-                # As for get(): not an error, but a typo must not pass unnoticed.
-                warn(f"{what}: {', '.join(map(repr, unknown))} not installed (installed: "
-                     f"{', '.join(sorted(self.backends)) or 'none'}); ignored",
-                     AttnBackendsWarning)
+        self._not_installed("prefer", prefer)
+        self._not_installed("backend_options", backend_options or {})
         # No arrays to judge yet: local work only where marked (contract/environment.py).
         local = process_count() > 1 and marked()
         agree = self.features.hook("attn_backends_agree") if process_count() > 1 and not local \
@@ -338,6 +319,20 @@ class Registry:
         if local:
             explanation = dataclasses.replace(explanation, agreement=LOCAL_WORK)
         return explanation, present
+
+    def _not_installed(self, what: str, names: Any) -> None:
+        """Warn of the ``names`` (prefer=, backend_options=) no installed backend has.
+        Not an error: model code may name a backend installed only on some
+        machines. But a typo must not pass unnoticed."""
+        if not names:
+            return
+        backends = self.backends
+        unknown = sorted(set(names) - set(backends))
+        if unknown:
+            lead = (f"prefer={list(names)}: {', '.join(map(repr, unknown))}" if what == "prefer"
+                    else f"{what}: {', '.join(map(repr, unknown))}")
+            warn(f"{lead} not installed (installed: {', '.join(sorted(backends)) or 'none'}); "
+                 "ignored", AttnBackendsWarning)
 
     def _sharding_request(self, mesh: Any, spec: Any, sequence_axis: str | None,
                           ring_block: int | None) -> Any:

@@ -8,11 +8,19 @@ first call, not at ``import attn_backends`` (``attn_backends.bind`` loads it).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
-from .call import QUANTIZED_CACHE_DTYPES, WIDE_DTYPES, AttentionCall, Operands, bindable
+from .call import (
+    QUANTIZED_KV_DTYPES,
+    WIDE_DTYPES,
+    AttentionCall,
+    AttentionKeywords,
+    Operands,
+    bindable,
+    keywords,
+)
 
 _BHTD_HINT = (
     "for [B, H, T, D] arrays get the attention with registry.get(layout='BHTD') "
@@ -66,7 +74,7 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
             )
     dtypes = {n: dtype_name(x) for n, x in (("q", q), ("k", k), ("v", v))}
     check_float("q", dtypes["q"])
-    if {dtypes["k"], dtypes["v"]} & set(QUANTIZED_CACHE_DTYPES):  # quantized: check_scales
+    if {dtypes["k"], dtypes["v"]} & set(QUANTIZED_KV_DTYPES):  # quantized: check_scales
         if dtypes["k"] != dtypes["v"]:
             raise ValueError(
                 f"k, v: expected both quantized in one dtype (with k_scales and v_scales), "
@@ -78,9 +86,9 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
                 check_float(name, dtypes[name])
             except ValueError as error:
                 raise ValueError(f"{str(error).rstrip('.')}; or, stored quantized, one of "
-                                 f"{list(QUANTIZED_CACHE_DTYPES)} with k_scales and "
+                                 f"{list(QUANTIZED_KV_DTYPES)} with k_scales and "
                                  "v_scales") from None
-    if dtypes["k"] not in QUANTIZED_CACHE_DTYPES and len(set(dtypes.values())) > 1:
+    if dtypes["k"] not in QUANTIZED_KV_DTYPES and len(set(dtypes.values())) > 1:
         raise ValueError(
             f"q, k, v: expected one dtype, got q={dtypes['q']}, k={dtypes['k']}, "
             f"v={dtypes['v']}. Cast them to the same dtype."
@@ -117,12 +125,12 @@ def check_scales(k: Any, k_scales: Any, v_scales: Any, b: int, tk: int, hkv: int
     are not quantized (then no scales may be given)."""
     kv_dtype = dtype_name(k)
     scales = (("k_scales", k_scales), ("v_scales", v_scales))
-    if kv_dtype not in QUANTIZED_CACHE_DTYPES:
+    if kv_dtype not in QUANTIZED_KV_DTYPES:
         for name, x in scales:
             if x is not None:
                 raise ValueError(
                     f"{name}: given with k and v in {kv_dtype}, which are not quantized; "
-                    f"scales go with K and V stored in one of {list(QUANTIZED_CACHE_DTYPES)} "
+                    f"scales go with K and V stored in one of {list(QUANTIZED_KV_DTYPES)} "
                     "(attention reads value * scale): leave it out")
         return None
     want = [b, tk, hkv]
@@ -277,31 +285,19 @@ def check_dropout(rate: Any, key: Any) -> float:
     return rate
 
 
-def bind(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    scale: float | None = None,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    segment_ids: tuple[Any, Any] | None = None,
-    q_lengths: Any = None,
-    kv_lengths: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    softcap: float | None = None,
-    return_lse: bool = False,
-    dropout_rate: float = 0.0,
-    dropout_key: Any = None,
-    k_scales: Any = None,
-    v_scales: Any = None,
-) -> tuple[AttentionCall, Operands]:
+def bind(q: Any, k: Any, v: Any, **kwargs: Unpack[AttentionKeywords]
+         ) -> tuple[AttentionCall, Operands]:
     """Validate the arguments of ``attention(...)`` and normalise them.
 
     Returns ``(call, operands)``. Raises ``ValueError`` for any bad argument:
-    naming it, what was expected and what arrived, before any backend runs.
+    naming it, what was expected and what arrived, before any backend runs
+    (a TypeError for a keyword the contract does not have).
     """
+    kw = keywords(kwargs, AttentionKeywords, "attention()")
+    causal, return_lse, segment_ids, mask, bias = (
+        kw["causal"], kw["return_lse"], kw["segment_ids"], kw["mask"], kw["bias"])
+    q_lengths, kv_lengths, k_scales, v_scales = (
+        kw["q_lengths"], kw["kv_lengths"], kw["k_scales"], kw["v_scales"])
     check_qkv(q, k, v)
     b, tq, hq, d = shape_of(q)
     tk, hkv, dv = shape_of(v)[1:]
@@ -348,19 +344,19 @@ def bind(
         head_dim=d,
         v_head_dim=dv,
         dtype=dtype_name(q),
-        scale=check_scale(scale, d),
+        scale=check_scale(kw["scale"], d),
         causal=bool(causal),
-        window=check_window(window),
+        window=check_window(kw["window"]),
         segment_ids=segment_ids is not None,
         q_lengths=q_lengths is not None,
         kv_lengths=kv_lengths is not None,
         mask_shape=mask_shape,
         bias_shape=bias_shape,
         bias_dtype=bias_dtype,
-        softcap=check_softcap(softcap),
+        softcap=check_softcap(kw["softcap"]),
         return_lse=bool(return_lse),
-        dropout_rate=check_dropout(dropout_rate, dropout_key),
+        dropout_rate=check_dropout(kw["dropout_rate"], kw["dropout_key"]),
         kv_dtype=kv_dtype,
     )
-    return call, Operands(q_ids, kv_ids, q_lengths, kv_lengths, mask, bias, dropout_key,
+    return call, Operands(q_ids, kv_ids, q_lengths, kv_lengths, mask, bias, kw["dropout_key"],
                           k_scales, v_scales)

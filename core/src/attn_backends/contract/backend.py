@@ -224,6 +224,7 @@ class Features:
         self._pm.add_hookspecs(Seams)
         self._blocked = set(block)
         self._tried: set[str] = set()
+        self._callers: dict[str, Callable[..., Any] | None] = {}
         self._lock = threading.RLock()
         for plugin in plugins:
             if implements_a_seam(plugin):
@@ -231,19 +232,29 @@ class Features:
 
     def hook(self, name: str) -> Callable[..., Any] | None:
         """Hook ``name`` as a function of its arguments in the spec's order (core's
-        plugins for it loaded), or None when nothing implements it."""
+        plugins for it loaded), or None when nothing implements it. Kept per name
+        until a plugin is registered or replaced: selection asks on every new call."""
+        try:
+            return self._callers[name]
+        except KeyError:
+            pass
         for core in CORE_PLUGINS:
             if name in core.hooks:
                 self._load(core)
         caller = getattr(self._pm.hook, name)
-        if not caller.get_hookimpls():
-            return None
         names = caller.spec.argnames
 
         def call(*args: Any) -> Any:
             return caller(**dict(zip(names, args, strict=True)))
 
-        return call
+        self._callers[name] = call if caller.get_hookimpls() else None
+        return self._callers[name]
+
+    def register(self, plugin: object) -> None:
+        """Register a third party's plugin object on the seams."""
+        with self._lock:
+            self._pm.register(plugin)
+            self._callers.clear()
 
     def plugin(self, name: str) -> Any:
         """The plugin registered as ``name`` (a core plugin is loaded first), or None."""
@@ -263,6 +274,7 @@ class Features:
                 self._blocked.add(name)
             else:
                 self._pm.register(plugin, name=name)
+            self._callers.clear()
 
     def _load(self, core: CorePlugin) -> None:
         with self._lock:
@@ -272,6 +284,7 @@ class Features:
             module, _, factory = core.target.partition(":")
             loaded = importlib.import_module(module)
             self._pm.register(getattr(loaded, factory)() if factory else loaded, name=core.name)
+            self._callers.clear()
 
 
 def implements_a_seam(plugin: object) -> bool:
@@ -294,7 +307,7 @@ class CallableProbe:
         return (CallablePagedProbe if callable(getattr(probe, "paged", None))
                 else CallableProbe)(probe)
 
-    @hookimpl
+    @hookimpl(trylast=True)  # in core's probe's place: a third party's answer comes first
     def attn_backends_probe(self, backend: Any, call: Any, platform: str,
                             options: Any) -> list[str] | None:
         return self.probe(backend, call, platform, options)
@@ -303,7 +316,7 @@ class CallableProbe:
 class CallablePagedProbe(CallableProbe):
     """A callable probe with a ``paged`` attribute, for paged calls too."""
 
-    @hookimpl
+    @hookimpl(trylast=True)  # in core's probe's place: a third party's answer comes first
     def attn_backends_probe_paged(self, backend: Any, call: Any, platform: str,
                                   options: Any) -> list[str] | None:
         return self.probe.paged(backend, call, platform, options)

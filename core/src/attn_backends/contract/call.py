@@ -8,8 +8,9 @@ makes both from the arguments of ``attention(q, k, v, ...)``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
 
@@ -36,11 +37,11 @@ DTYPES = frozenset({"float32", "bfloat16", "float16"})
 #: compute them in float32); a backend serves them only if its manifest claims them.
 WIDE_DTYPES = frozenset({"float64"})
 #: The dtypes K and V (a dense call's, or a paged cache's,
-#: ``PagedCall.cache_dtype``) may be stored quantized in: int8 (symmetric,
+#: ``PagedCall.kv_dtype``) may be stored quantized in: int8 (symmetric,
 #: round to nearest even) and the two float8 formats, each position's K and V
 #: of each kv head with one float32 scale (docs/DESIGN.md, "Quantized caches");
 #: the attention is that of the dequantized values.
-QUANTIZED_CACHE_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class AttentionCall:
     #: [0, 1); 0 is no dropout. Static (part of the program); its key is the
     #: ``dropout_key`` operand. Added within api_version 1.
     dropout_rate: float = 0.0
-    #: One of :data:`QUANTIZED_CACHE_DTYPES` when K and V arrive quantized
+    #: One of :data:`QUANTIZED_KV_DTYPES` when K and V arrive quantized
     #: (values in it, their scales the ``k_scales``/``v_scales`` operands;
     #: attention is defined on ``value * scale``, forward only); None when K and V
     #: are in :attr:`dtype`. Added within api_version 1.
@@ -149,6 +150,58 @@ class AttentionCall:
         return text + (" " + " ".join(extras) if extras else "")
 
 
+class MaskKeywords(TypedDict, total=False):
+    """The keywords of ``attention(q, k, v, ...)`` that say which keys each query
+    sees (docs/DESIGN.md, section 2): the float64 oracle's ``visibility``."""
+
+    causal: bool
+    window: tuple[int | None, int | None] | None
+    segment_ids: tuple[Any, Any] | None
+    q_lengths: Any
+    kv_lengths: Any
+    mask: Any
+
+
+class LogitKeywords(MaskKeywords, total=False):
+    """With those, the keywords that shape the weights: the oracle's ``attention``."""
+
+    scale: float | None
+    bias: Any
+    softcap: float | None
+    dropout_rate: float
+
+
+class AttentionKeywords(LogitKeywords, total=False):
+    """Every keyword of ``attention(q, k, v, ...)``: the one definition the public
+    call (:class:`~attn_backends.Attention`), :func:`~attn_backends.bind`, the
+    float64 oracle and the command line's call flags share. Defaults:
+    :data:`KEYWORD_DEFAULTS`."""
+
+    return_lse: bool
+    dropout_key: Any
+    k_scales: Any
+    v_scales: Any
+
+
+#: Each keyword's value when the caller leaves it out.
+KEYWORD_DEFAULTS: dict[str, Any] = {
+    "scale": None, "causal": False, "window": None, "segment_ids": None, "q_lengths": None,
+    "kv_lengths": None, "mask": None, "bias": None, "softcap": None, "return_lse": False,
+    "dropout_rate": 0.0, "dropout_key": None, "k_scales": None, "v_scales": None,
+}
+
+
+def keywords(given: Mapping[str, Any], accepted: type, where: str) -> dict[str, Any]:
+    """``given`` and the default of every other keyword in ``accepted`` (one of the
+    TypedDicts above); a TypeError names a keyword ``where`` does not take."""
+    names = accepted.__annotations__
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise TypeError(f"{where} got unexpected keyword argument(s) {unknown}; it takes "
+                        f"{', '.join(names)}")
+    return {name: given.get(name, KEYWORD_DEFAULTS[name]) for name in names}
+
+
 class Operands(NamedTuple):
     """The optional arrays of a call; None where not given.
 
@@ -184,3 +237,12 @@ def bindable(dtype: str) -> bool:
     # Under x64 JAX keeps float64; without it every jnp op would quietly
     # compute float32 (only a NumPy array or ShapeDtypeStruct arrives so).
     return bool(jax.dtypes.canonicalize_dtype(np.dtype(dtype)) == np.dtype(dtype))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "QUANTIZED_CACHE_DTYPES":  # its name before 0.2
+        from .errors import renamed
+
+        renamed(name, "QUANTIZED_KV_DTYPES")
+        return QUANTIZED_KV_DTYPES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

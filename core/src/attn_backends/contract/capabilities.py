@@ -4,11 +4,11 @@ the tiny version parsing its jax ranges need (no dependency on `packaging`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
 
-from .call import DTYPES, FEATURES, QUANTIZED_CACHE_DTYPES, WIDE_DTYPES, AttentionCall
+from .call import DTYPES, FEATURES, QUANTIZED_KV_DTYPES, WIDE_DTYPES, AttentionCall
 from .environment import PLATFORMS, check_platform
 
 #: Every dtype a manifest may claim: :data:`DTYPES` (the default claim) and
@@ -59,96 +59,134 @@ class HeadDims:
 
 
 @dataclass(frozen=True)
-class Capabilities:
-    """What a backend can serve. The selector and the conformance suite read it.
+class Manifest:
+    """What every manifest declares, dense (:class:`Capabilities`) and paged
+    (:class:`~attn_backends.PagedCapabilities`), with one validation.
 
-    Feature flags (``gqa`` ... ``return_lse``, ``dropout``) name the features of
-    :data:`attn_backends.FEATURES`; ``bias_grad`` and ``differentiable`` say
-    whether gradients w.r.t. bias and q/k/v are implemented. ``jax_versions``
-    is a range like ``">=0.10,<0.13"`` the backend was tested with.
+    ``platforms`` it runs on; ``dtypes`` of q, k, v it serves; ``head_dims``;
+    the features both contracts have (``gqa``, ``softcap``, ``window``);
+    ``check_vma``: it runs inside a user's ``jax.shard_map`` with
+    ``check_vma=True`` (a call there is refused when not claimed);
+    ``jax_versions``: a range like ``">=0.10,<0.13"`` it was tested with;
+    ``kv_dtypes``: the quantized K and V it reads (a subset of
+    :data:`~attn_backends.authoring.QUANTIZED_KV_DTYPES`; empty: K and V in the
+    call's dtype only).
     """
 
     platforms: frozenset[str]
     dtypes: frozenset[str] = DTYPES
     head_dims: HeadDims = field(default_factory=HeadDims)
     gqa: bool = False
-    causal: bool = False
+    softcap: bool = False
     window: bool = False
+    check_vma: bool = False
+    jax_versions: str = ""
+    kv_dtypes: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        object.__setattr__(self, "platforms", frozenset(self.platforms))
+        object.__setattr__(self, "dtypes", frozenset(self.dtypes))
+        if isinstance(self.kv_dtypes, str):
+            raise ValueError(f"{name}: kv_dtypes must be a collection of dtype names, "
+                             f"got the string {self.kv_dtypes!r}")
+        object.__setattr__(self, "kv_dtypes", frozenset(self.kv_dtypes))
+        if not self.kv_dtypes <= frozenset(QUANTIZED_KV_DTYPES):
+            raise ValueError(f"{name}: kv_dtypes={sorted(self.kv_dtypes)} must be a "
+                             f"subset of {list(QUANTIZED_KV_DTYPES)}")
+        if not self.platforms:
+            raise ValueError(
+                f"{name}: platforms is empty; name at least one of {sorted(PLATFORMS)} "
+                "or a JAX PJRT plugin's platform (e.g. 'neuron')"
+            )
+        for platform in sorted(self.platforms, key=str):
+            check_platform(platform, f"{name}: platforms")
+        if not self.dtypes or not self.dtypes <= CLAIMABLE_DTYPES:
+            raise ValueError(
+                f"{name}: dtypes={sorted(self.dtypes)} must be a non-empty "
+                f"subset of {sorted(CLAIMABLE_DTYPES)}"
+            )
+        validate_spec(self.jax_versions)
+
+    def unmet_by(self, platform: str, dtype: str, head_dims: tuple[int, ...],
+                 kv_dtype: str | None) -> list[str]:
+        """Why this manifest excludes a call on ``platform`` in ``dtype`` with
+        ``head_dims`` (D, then Dv when it differs) and K and V stored in
+        ``kv_dtype`` (None: the call's dtype); empty if nothing does."""
+        reasons = []
+        if platform not in self.platforms:
+            reasons.append(f"platform {platform!r} not in {sorted(self.platforms)}")
+        if dtype not in self.dtypes:
+            reasons.append(f"dtype {dtype} not in {sorted(self.dtypes)}")
+        for what, dim in zip(("head_dim", "v_head_dim"), head_dims, strict=False):
+            reasons += self.head_dims.reasons(dim, what)
+        if kv_dtype is not None and kv_dtype not in self.kv_dtypes:
+            reads = ", ".join(sorted(self.kv_dtypes)) or "none"
+            reasons.append(f"kv dtype {kv_dtype}: reads no such quantized K, V (reads {reads})")
+        return reasons
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-friendly view: fields by name, sets as sorted lists, head dims as
+        their description."""
+        out: dict[str, object] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, frozenset):
+                value = sorted(value)
+            elif isinstance(value, HeadDims):
+                value = value.describe()
+            out[f.name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class Capabilities(Manifest):
+    """What a backend can serve. The selector and the conformance suite read it.
+
+    Besides :class:`Manifest`'s fields: feature flags (``causal`` ...
+    ``return_lse``, ``dropout``, with ``gqa``, ``softcap`` and ``window``) name
+    the features of :data:`attn_backends.FEATURES`; ``bias_grad`` and
+    ``differentiable`` say whether gradients w.r.t. bias and q/k/v are
+    implemented; ``deterministic``, ``partitionable`` (XLA may partition it
+    over a mesh) and ``interpret`` (an emulated kernel) describe how it runs.
+    """
+
+    causal: bool = False
     segment_ids: bool = False
     lengths: bool = False
     mask: bool = False
     bias: bool = False
     bias_grad: bool = False
-    softcap: bool = False
     return_lse: bool = False
     dropout: bool = False
     differentiable: bool = False
     deterministic: bool = True
     partitionable: bool = False
-    #: Runs inside a user's ``jax.shard_map`` with ``check_vma=True``: every value
-    #: it makes varies over the manual axes its inputs vary over. A backend not
-    #: claiming it is passed over there (it still serves ``check_vma=False``).
-    check_vma: bool = False
     interpret: bool = False
-    jax_versions: str = ""
-    #: The quantized K, V it reads (``AttentionCall.kv_dtype``; a subset of
-    #: :data:`attn_backends.QUANTIZED_CACHE_DTYPES`), forward only.
-    kv_dtypes: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "platforms", frozenset(self.platforms))
-        object.__setattr__(self, "dtypes", frozenset(self.dtypes))
-        if isinstance(self.kv_dtypes, str):
-            raise ValueError(f"Capabilities: kv_dtypes must be a collection of dtype names, "
-                             f"got the string {self.kv_dtypes!r}")
-        object.__setattr__(self, "kv_dtypes", frozenset(self.kv_dtypes))
-        if not self.kv_dtypes <= frozenset(QUANTIZED_CACHE_DTYPES):
-            raise ValueError(f"Capabilities: kv_dtypes={sorted(self.kv_dtypes)} must be a "
-                             f"subset of {list(QUANTIZED_CACHE_DTYPES)}")
-        if not self.platforms:
-            raise ValueError(
-                f"Capabilities: platforms is empty; name at least one of {sorted(PLATFORMS)} "
-                "or a JAX PJRT plugin's platform (e.g. 'neuron')"
-            )
-        for platform in sorted(self.platforms, key=str):
-            check_platform(platform, "Capabilities: platforms")
-        if not self.dtypes or not self.dtypes <= CLAIMABLE_DTYPES:
-            raise ValueError(
-                f"Capabilities: dtypes={sorted(self.dtypes)} must be a non-empty "
-                f"subset of {sorted(CLAIMABLE_DTYPES)}"
-            )
+        super().__post_init__()
         if self.bias_grad and not self.bias:
             raise ValueError("Capabilities: bias_grad=True needs bias=True")
-        validate_spec(self.jax_versions)
 
-    @property
+    @functools.cached_property
     def features(self) -> frozenset[str]:
         """The call features (of :data:`FEATURES`) this manifest claims."""
         return frozenset(f for f in FEATURES if getattr(self, f))
 
     def unmet(self, call: AttentionCall, platform: str) -> list[str]:
         """Every reason this manifest excludes ``call`` on ``platform``; empty if none."""
-        reasons = []
-        if platform not in self.platforms:
-            reasons.append(f"platform {platform!r} not in {sorted(self.platforms)}")
-        return reasons + self.unclaimed(call)
+        dims = (call.head_dim,) if call.v_head_dim == call.head_dim else (
+            call.head_dim, call.v_head_dim)
+        reasons = self.unmet_by(platform, call.dtype, dims, call.kv_dtype)
+        kv = [r for r in reasons if r.startswith("kv dtype")]
+        return [r for r in reasons if r not in kv] + [
+            f"feature {f!r} not supported" for f in sorted(call.features - self.features)] + kv
 
     def unclaimed(self, call: AttentionCall) -> list[str]:
         """What ``call`` uses that this manifest does not claim (dtype, head dims,
         features), whatever the platform; empty if none."""
-        reasons = []
-        if call.dtype not in self.dtypes:
-            reasons.append(f"dtype {call.dtype} not in {sorted(self.dtypes)}")
-        reasons += self.head_dims.reasons(call.head_dim, "head_dim")
-        if call.v_head_dim != call.head_dim:
-            reasons += self.head_dims.reasons(call.v_head_dim, "v_head_dim")
-        for feature in sorted(call.features - self.features):
-            reasons.append(f"feature {feature!r} not supported")
-        if call.kv_dtype is not None and call.kv_dtype not in self.kv_dtypes:
-            reads = ", ".join(sorted(self.kv_dtypes)) or "none"
-            reasons.append(f"kv dtype {call.kv_dtype}: reads no such quantized K, V "
-                           f"(reads {reads})")
-        return reasons
+        return self.unmet(call, next(iter(sorted(self.platforms))))
 
     def served_call(self, call: AttentionCall) -> AttentionCall:
         """The call core hands a backend with this manifest for ``call``.
@@ -169,24 +207,6 @@ class Capabilities:
         if self.segment_ids:
             return dataclasses.replace(call, mask_shape=None, segment_ids=True)
         return call
-
-    def as_dict(self) -> dict[str, object]:
-        """JSON-friendly view (sets become sorted lists)."""
-        return manifest_dict(self)
-
-
-def manifest_dict(manifest: Any) -> dict[str, object]:
-    """A manifest dataclass (dense or paged) as JSON-friendly data: its fields by
-    name, sets as sorted lists, head dims as their description."""
-    out: dict[str, object] = {}
-    for f in fields(manifest):
-        value = getattr(manifest, f.name)
-        if isinstance(value, frozenset):
-            value = sorted(value)
-        elif isinstance(value, HeadDims):
-            value = value.describe()
-        out[f.name] = value
-    return out
 
 
 _RELEASE = re.compile(r"^\s*(\d+(?:\.\d+)*)")
@@ -214,8 +234,10 @@ def validate_spec(spec: str) -> None:
             )
 
 
+@functools.lru_cache(maxsize=256)
 def in_range(version: str, spec: str) -> bool:
-    """Whether ``version`` satisfies every comma-separated clause of ``spec``."""
+    """Whether ``version`` satisfies every comma-separated clause of ``spec``
+    (cached: selection asks it of every backend for every new call)."""
     have = release_tuple(version)
     for clause in filter(None, (c.strip() for c in spec.split(","))):
         match = _CLAUSE.match(clause)

@@ -84,3 +84,10 @@ def warn(message: str, category: type[Warning]) -> None:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+def renamed(old: str, new: str) -> None:
+    """Warn that ``old`` is the pre-0.2 name of ``new`` (a DeprecationWarning; the old
+    name goes in 0.3)."""
+    warn(f"{old} is deprecated: use {new} (attn-backends 0.2 names quantized K and V "
+         "kv_dtype everywhere; the old name goes in 0.3)", DeprecationWarning)

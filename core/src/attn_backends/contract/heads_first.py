@@ -47,7 +47,7 @@ def init_cache(call: PagedCall, num_pages: int) -> KVCache:
     import jax.numpy as jnp
 
     shape = (call.kv_heads, num_pages, call.page_size, call.head_dim)
-    arrays = [jnp.zeros(shape, call.cache_dtype or call.dtype) for _ in range(2)]
+    arrays = [jnp.zeros(shape, call.kv_dtype or call.dtype) for _ in range(2)]
     arrays += [jnp.zeros(shape[:3], jnp.float32) for _ in range(2 if call.quantized else 0)]
     return KVCache(tuple(arrays), LAYOUT, call.page_size, num_pages)
 
@@ -69,7 +69,7 @@ def write(call: PagedCall, cache: KVCache, k: Any, v: Any, slots: Any) -> KVCach
     if call.quantized:
         from .paged_quantize import quantize
 
-        (k, k_scale), (v, v_scale) = (quantize(x, call.cache_dtype) for x in (k, v))
+        (k, k_scale), (v, v_scale) = (quantize(x, call.kv_dtype) for x in (k, v))
         news = [k, v, k_scale, v_scale]
     arrays = []
     for pool, new in zip(cache.arrays, news, strict=True):

@@ -20,13 +20,12 @@ The validation of every argument is in :mod:`.paged_bind`, loaded with the first
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-from .call import DTYPES, QUANTIZED_CACHE_DTYPES, WIDE_DTYPES
-from .capabilities import CLAIMABLE_DTYPES, HeadDims, manifest_dict, validate_spec
-from .environment import PLATFORMS, check_platform
-from .errors import UnsupportedError
+from .call import WIDE_DTYPES
+from .capabilities import Manifest
+from .errors import UnsupportedError, renamed
 
 #: The layout every paged backend converts to and from: K and V each
 #: ``[num_pages, page_size, Hkv, D]``. A backend may also keep its cache in it.
@@ -63,9 +62,15 @@ class PagedCall:
     #: The platform the program is made for, set by core before it calls a
     #: paged backend; None elsewhere (a backend called directly).
     platform: str | None = None
-    #: One of :data:`QUANTIZED_CACHE_DTYPES` when the cache is stored quantized
+    #: One of :data:`QUANTIZED_KV_DTYPES` when the cache is stored quantized
     #: (values and float32 scales); None: the cache holds K and V in ``dtype``.
-    cache_dtype: str | None = None
+    kv_dtype: str | None = None
+
+    @property
+    def cache_dtype(self) -> str | None:
+        """``kv_dtype``'s name before 0.2 (deprecated)."""
+        renamed("PagedCall.cache_dtype", "PagedCall.kv_dtype")
+        return self.kv_dtype
 
     @property
     def group(self) -> int:
@@ -80,7 +85,7 @@ class PagedCall:
     @property
     def quantized(self) -> bool:
         """Whether the cache holds quantized values and their scales."""
-        return self.cache_dtype is not None
+        return self.kv_dtype is not None
 
     @property
     def features(self) -> frozenset[str]:
@@ -97,8 +102,8 @@ class PagedCall:
                   for f in PAGED_FEATURES if f in self.features]
         if self.max_q_len is not None:
             extras.append(f"max_q_len={self.max_q_len}")
-        if self.cache_dtype is not None:
-            extras.append(f"cache_dtype={self.cache_dtype}")
+        if self.kv_dtype is not None:
+            extras.append(f"kv_dtype={self.kv_dtype}")
         return text + (" " + " ".join(extras) if extras else "")
 
 
@@ -152,61 +157,39 @@ _register_kv_cache()
 
 
 @dataclass(frozen=True)
-class PagedCapabilities:
+class PagedCapabilities(Manifest):
     """What a backend's paged support can serve; read by selection at ``get_paged``.
 
+    :class:`~attn_backends.contract.capabilities.Manifest`'s fields (``gqa``,
+    ``softcap`` and ``window`` name :data:`PAGED_FEATURES`), and:
     ``page_sizes``: the page sizes it takes (None: any); ``max_q_len``: the most
     query rows per sequence it serves (None: any; 1: decode steps only), so a
     call whose ``max_q_len`` is None or larger is refused.
     """
 
-    platforms: frozenset[str]
-    dtypes: frozenset[str] = DTYPES
-    head_dims: HeadDims = field(default_factory=HeadDims)
     page_sizes: frozenset[int] | None = None
     max_q_len: int | None = None
-    gqa: bool = False
-    softcap: bool = False
-    window: bool = False
-    #: Runs inside a user's ``jax.shard_map`` with ``check_vma=True``, as
-    #: ``Capabilities.check_vma``; a call there is refused when not claimed.
-    check_vma: bool = False
-    jax_versions: str = ""
-    #: The quantized caches it reads (a subset of :data:`QUANTIZED_CACHE_DTYPES`);
-    #: empty: it reads caches in the call's dtype only.
-    cache_dtypes: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "platforms", frozenset(self.platforms))
-        object.__setattr__(self, "dtypes", frozenset(self.dtypes))
-        object.__setattr__(self, "cache_dtypes", frozenset(self.cache_dtypes))
-        if not self.cache_dtypes <= frozenset(QUANTIZED_CACHE_DTYPES):
-            raise ValueError(f"PagedCapabilities: cache_dtypes={sorted(self.cache_dtypes)} "
-                             f"must be a subset of {list(QUANTIZED_CACHE_DTYPES)}")
+        super().__post_init__()
         if self.page_sizes is not None:
             object.__setattr__(self, "page_sizes", frozenset(self.page_sizes))
-        if not self.platforms:
-            raise ValueError(
-                f"PagedCapabilities: platforms is empty; name at least one of {sorted(PLATFORMS)}")
-        for platform in sorted(self.platforms):
-            check_platform(platform, "PagedCapabilities: platforms")
-        if not self.dtypes or not self.dtypes <= CLAIMABLE_DTYPES:
-            raise ValueError(f"PagedCapabilities: dtypes={sorted(self.dtypes)} must be a "
-                             f"non-empty subset of {sorted(CLAIMABLE_DTYPES)}")
-        validate_spec(self.jax_versions)
 
     @property
     def features(self) -> frozenset[str]:
         return frozenset(f for f in PAGED_FEATURES if getattr(self, f))
 
+    @property
+    def cache_dtypes(self) -> frozenset[str]:
+        """``kv_dtypes``' name before 0.2 (deprecated)."""
+        renamed("PagedCapabilities.cache_dtypes", "PagedCapabilities.kv_dtypes")
+        return self.kv_dtypes
+
     def unmet(self, call: PagedCall, platform: str) -> list[str]:
         """Every reason this manifest excludes ``call`` on ``platform``; empty if none."""
-        reasons = []
-        if platform not in self.platforms:
-            reasons.append(f"platform {platform!r} not in {sorted(self.platforms)}")
-        if call.dtype not in self.dtypes:
-            reasons.append(f"dtype {call.dtype} not in {sorted(self.dtypes)}")
-        reasons += self.head_dims.reasons(call.head_dim, "head_dim")
+        reasons = self.unmet_by(platform, call.dtype, (call.head_dim,), call.kv_dtype)
+        kv = [r for r in reasons if r.startswith("kv dtype")]
+        reasons = [r for r in reasons if r not in kv]
         if self.page_sizes is not None and call.page_size not in self.page_sizes:
             reasons.append(f"page_size={call.page_size} not in {sorted(self.page_sizes)}")
         if self.max_q_len is not None and (call.max_q_len is None
@@ -215,14 +198,22 @@ class PagedCapabilities:
                            "query rows per sequence")
         for feature in sorted(call.features - self.features):
             reasons.append(f"feature {feature!r} not supported")
-        if call.cache_dtype is not None and call.cache_dtype not in self.cache_dtypes:
-            reasons.append(f"cache_dtype {call.cache_dtype}: reads no such quantized cache "
-                           f"(reads {sorted(self.cache_dtypes) or 'none'})")
-        return reasons
+        return reasons + kv
 
-    def as_dict(self) -> dict[str, object]:
-        """JSON-friendly view (sets become sorted lists)."""
-        return manifest_dict(self)
+
+_init_paged_capabilities = PagedCapabilities.__init__
+
+
+def _paged_capabilities_init(self: PagedCapabilities, *args: Any, cache_dtypes: Any = None,
+                             **kwargs: Any) -> None:
+    # ``cache_dtypes=``, kv_dtypes' name before 0.2, still works for a release.
+    if cache_dtypes is not None:
+        renamed("PagedCapabilities(cache_dtypes=)", "PagedCapabilities(kv_dtypes=)")
+        kwargs.setdefault("kv_dtypes", cache_dtypes)
+    _init_paged_capabilities(self, *args, **kwargs)
+
+
+PagedCapabilities.__init__ = _paged_capabilities_init  # type: ignore[method-assign]
 
 
 class PagedBackend(abc.ABC):
@@ -267,7 +258,7 @@ class PagedBackend(abc.ABC):
 
         shape = (num_pages, call.page_size, call.kv_heads, call.head_dim)
         # Separate buffers, not one twice: a jit donating the cache donates each.
-        values = [jnp.zeros(shape, call.cache_dtype or call.dtype) for _ in range(2)]
+        values = [jnp.zeros(shape, call.kv_dtype or call.dtype) for _ in range(2)]
         scales = [jnp.zeros(shape[:3], "float32") for _ in range(2 if call.quantized else 0)]
         return self.from_canonical(call, *values, *scales)
 
@@ -312,7 +303,7 @@ def canonical_write(call: PagedCall, k_pages: Any, v_pages: Any, k: Any, v: Any,
     if call.quantized:
         from .paged_quantize import quantize
 
-        (k, k_scale), (v, v_scale) = (quantize(x, call.cache_dtype) for x in (k, v))
+        (k, k_scale), (v, v_scale) = (quantize(x, call.kv_dtype) for x in (k, v))
         pools, news = [k_pages, v_pages, *scales], [k, v, k_scale, v_scale]
     out = []
     for pool, new in zip(pools, news, strict=True):

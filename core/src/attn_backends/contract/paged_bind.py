@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 
 from .arguments import check_float, check_scale, check_softcap
-from .paged import CANONICAL_ARRAYS, QUANTIZED_CACHE_DTYPES, KVCache, PagedBatch, PagedCall
+from .call import QUANTIZED_KV_DTYPES
+from .errors import renamed
+from .paged import CANONICAL_ARRAYS, KVCache, PagedBatch, PagedCall
 
 
 def _static_int(name: str, value: Any, *, low: int) -> int:
@@ -37,30 +39,35 @@ def _paged_window(window: Any) -> tuple[int, None] | None:
     return (_static_int("window left side", left, low=0), None)
 
 
-def _cache_dtype(cache_dtype: Any, dtype: str) -> str | None:
+def _kv_dtype(kv_dtype: Any, dtype: str) -> str | None:
     """The quantized dtype the cache is stored in, or None (the call's dtype)."""
-    if cache_dtype is None:
+    if kv_dtype is None:
         return None
     try:
-        name = np.dtype(cache_dtype).name
+        name = np.dtype(kv_dtype).name
     except TypeError:
-        name = str(cache_dtype)
+        name = str(kv_dtype)
     if name == dtype:
         return None
-    if name not in QUANTIZED_CACHE_DTYPES:
-        raise ValueError(f"cache_dtype: expected one of {list(QUANTIZED_CACHE_DTYPES)} (a "
+    if name not in QUANTIZED_KV_DTYPES:
+        raise ValueError(f"kv_dtype: expected one of {list(QUANTIZED_KV_DTYPES)} (a "
                          f"quantized cache), None or dtype={dtype!r} (a cache in the call's "
-                         f"dtype), got {cache_dtype!r}")
+                         f"dtype), got {kv_dtype!r}")
     return name
 
 
 def bind_paged(*, num_q_heads: Any, num_kv_heads: Any, head_dim: Any, page_size: Any,
                dtype: Any, scale: Any = None, softcap: Any = None, window: Any = None,
-               max_q_len: Any = None, cache_dtype: Any = None) -> PagedCall:
-    """Validate ``registry.get_paged``'s call arguments into a :class:`PagedCall`.
+               max_q_len: Any = None, kv_dtype: Any = None,
+               cache_dtype: Any = None) -> PagedCall:
+    """Validate ``registry.get_paged``'s call arguments into a :class:`PagedCall`
+    (``cache_dtype``: ``kv_dtype``'s name before 0.2, deprecated).
 
     Raises ``ValueError`` naming the bad argument, what was expected and what arrived.
     """
+    if cache_dtype is not None:
+        renamed("cache_dtype=", "kv_dtype=")
+        kv_dtype = cache_dtype if kv_dtype is None else kv_dtype
     hq = _static_int("num_q_heads", num_q_heads, low=1)
     hkv = _static_int("num_kv_heads", num_kv_heads, low=1)
     if hq % hkv:
@@ -80,7 +87,7 @@ def bind_paged(*, num_q_heads: Any, num_kv_heads: Any, head_dim: Any, page_size:
                      page_size=_static_int("page_size", page_size, low=1), dtype=name,
                      scale=scale, softcap=check_softcap(softcap),
                      window=_paged_window(window), max_q_len=max_q_len,
-                     cache_dtype=_cache_dtype(cache_dtype, name))
+                     kv_dtype=_kv_dtype(kv_dtype, name))
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -136,7 +143,7 @@ def _quantization_mismatch(call: PagedCall, got: list[tuple[tuple[int, ...], str
     call is not, or the other way round."""
     dtypes = ", ".join(d for _, d in got)
     if call.quantized:
-        return (f"expected a {call.cache_dtype} cache of values and scales (4 arrays: "
+        return (f"expected a {call.kv_dtype} cache of values and scales (4 arrays: "
                 f"{', '.join(CANONICAL_ARRAYS)}), got {len(got)} arrays ({dtypes}): a cache "
                 "in the call's dtype")
     if len(got) != 4:
@@ -144,7 +151,7 @@ def _quantization_mismatch(call: PagedCall, got: list[tuple[tuple[int, ...], str
                 f"({dtypes or 'none'})")
     return (f"got a quantized cache ({len(got)} arrays: {dtypes}), but this paged attention "
             f"was got for a {call.dtype} cache; get it with registry.get_paged(..., "
-            f"cache_dtype={got[0][1]!r})")
+            f"kv_dtype={got[0][1]!r})")
 
 
 def check_write(call: PagedCall, k: Any, v: Any, slots: Any) -> None:
@@ -203,11 +210,11 @@ def check_batch_values(call: PagedCall, q_rows: int, num_pages: int, cu: np.ndar
 def check_canonical(call: PagedCall, k_pages: Any, v_pages: Any, k_scales: Any,
                     v_scales: Any) -> tuple[Any, ...]:
     """The canonical view's arrays for ``from_canonical``: K and V ``[num_pages,
-    page_size, Hkv, D]`` in the call's dtype, or its ``cache_dtype`` with scales
+    page_size, Hkv, D]`` in the call's dtype, or its ``kv_dtype`` with scales
     float32 ``[num_pages, page_size, Hkv]``; the arrays to pass on, in order."""
     given = {"k_pages": k_pages, "v_pages": v_pages, "k_scales": k_scales, "v_scales": v_scales}
     want = (call.page_size, call.kv_heads, call.head_dim)
-    values = call.cache_dtype or call.dtype
+    values = call.kv_dtype or call.dtype
     for name in ("k_pages", "v_pages"):
         x = given[name]
         shape = tuple(getattr(x, "shape", ()))
@@ -216,9 +223,9 @@ def check_canonical(call: PagedCall, k_pages: Any, v_pages: Any, k_scales: Any,
                              f", got {list(shape)}")
         got = np.dtype(x.dtype).name
         if got != values:
-            hint = ("" if call.quantized or got not in QUANTIZED_CACHE_DTYPES else
+            hint = ("" if call.quantized or got not in QUANTIZED_KV_DTYPES else
                     f"; for a quantized cache get the paged attention with "
-                    f"cache_dtype={got!r} and pass its scales")
+                    f"kv_dtype={got!r} and pass its scales")
             raise ValueError(f"{name}: expected dtype {values}, got {got}{hint}")
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages, v_pages: expected one shape, got {list(k_pages.shape)}"
@@ -227,13 +234,13 @@ def check_canonical(call: PagedCall, k_pages: Any, v_pages: Any, k_scales: Any,
         for name in ("k_scales", "v_scales"):
             if given[name] is not None:
                 raise ValueError(f"{name}: given, but this paged attention's cache is not "
-                                 f"quantized (dtype {call.dtype}); get it with cache_dtype= "
+                                 f"quantized (dtype {call.dtype}); get it with kv_dtype= "
                                  "to store values and scales")
         return k_pages, v_pages
     for name in ("k_scales", "v_scales"):
         x = given[name]
         if x is None:
-            raise ValueError(f"{name}: missing; a {call.cache_dtype} cache needs K's and V's "
+            raise ValueError(f"{name}: missing; a {call.kv_dtype} cache needs K's and V's "
                              f"scales, float32 [num_pages, {call.page_size}, {call.kv_heads}]")
         _array(name, x, (int(k_pages.shape[0]), call.page_size, call.kv_heads), "float32",
                "a quantized cache's scales")

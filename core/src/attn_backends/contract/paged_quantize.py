@@ -26,12 +26,12 @@ from typing import Any
 LARGEST = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 
-def quantize(x: Any, cache_dtype: str) -> tuple[Any, Any]:
-    """x ``[..., D]`` (any float dtype) -> (values ``[..., D]`` in ``cache_dtype``,
+def quantize(x: Any, kv_dtype: str) -> tuple[Any, Any]:
+    """x ``[..., D]`` (any float dtype) -> (values ``[..., D]`` in ``kv_dtype``,
     scales float32 ``[...]``), by the rule above."""
     import jax.numpy as jnp
 
-    largest = LARGEST[cache_dtype]
+    largest = LARGEST[kv_dtype]
     x = x.astype(jnp.float32)
     # Finiteness tested element by element, not read off the max: inside a
     # fused write program XLA's cpu max over a row of 128 dropped a NaN (the
@@ -49,9 +49,9 @@ def quantize(x: Any, cache_dtype: str) -> tuple[Any, Any]:
     usable = finite & (peak > 0)
     ratio = x / jnp.where(usable, scale, 1.0)[..., None]
     ratio = jnp.clip(ratio, -largest, largest)
-    if cache_dtype == "int8":
+    if kv_dtype == "int8":
         ratio = jnp.round(ratio)
-    values = jnp.where(usable[..., None], ratio, 0.0).astype(cache_dtype)
+    values = jnp.where(usable[..., None], ratio, 0.0).astype(kv_dtype)
     return values, scale.astype(jnp.float32)
 
 

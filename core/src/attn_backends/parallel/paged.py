@@ -62,7 +62,7 @@ def _check_blocks(paged: PagedAttention, local: PagedCall, axes: tuple[int, ...]
     # (a cast of a count would collapse or overflow in float8), and its scales.
     k = np.arange(np.prod(shape)).reshape(shape).astype(call.dtype)
     if call.quantized:
-        stored = jax.numpy.dtype(call.cache_dtype)
+        stored = jax.numpy.dtype(call.kv_dtype)
         k = (k.astype(np.int64) % 256).astype(np.uint8).view(stored)
     wants = [k, np.flip(k, 1)]
     if call.quantized:

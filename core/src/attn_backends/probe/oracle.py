@@ -13,10 +13,11 @@ oracle reads them by (:func:`dequantize_rows`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
+from ..contract.call import LogitKeywords, MaskKeywords, keywords
 from .paged_inputs import PagedCase, dequantize_rows, paged_case, quantize_rows
 from .paged_oracle import paged_attention
 
@@ -28,20 +29,11 @@ def _f64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def visibility(
-    b: int,
-    hq: int,
-    tq: int,
-    tk: int,
-    *,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    segment_ids: tuple[Any, Any] | None = None,
-    q_lengths: Any = None,
-    kv_lengths: Any = None,
-    mask: Any = None,
-) -> np.ndarray:
+def visibility(b: int, hq: int, tq: int, tk: int, **kwargs: Unpack[MaskKeywords]) -> np.ndarray:
     """Boolean ``[B, Hq, Tq, Tk]``: key j visible to query i, per the contract."""
+    kw = keywords(kwargs, MaskKeywords, "oracle.visibility()")
+    causal, window, segment_ids = kw["causal"], kw["window"], kw["segment_ids"]
+    q_lengths, kv_lengths, mask = kw["q_lengths"], kw["kv_lengths"], kw["mask"]
     i = np.arange(tq)[:, None]
     j = np.arange(tk)[None, :]
     diag = i + (tk - tq)
@@ -111,23 +103,8 @@ def _forward_parts(q, k, v, scale, softcap, bias, vis, drop=None):
     return scale, qh, kh, vh, tanh, probs, out, lse[..., 0]
 
 
-def attention(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    scale: float | None = None,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    segment_ids: tuple[Any, Any] | None = None,
-    q_lengths: Any = None,
-    kv_lengths: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    softcap: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_keep: Any = None,
-) -> tuple[np.ndarray, np.ndarray]:
+def attention(q: Any, k: Any, v: Any, *, dropout_keep: Any = None,
+              **kwargs: Unpack[LogitKeywords]) -> tuple[np.ndarray, np.ndarray]:
     """Contract attention in float64.
 
     q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]``.
@@ -138,13 +115,20 @@ def attention(
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     b, tq, hq, _ = q.shape
-    vis = visibility(
-        b, hq, tq, k.shape[1], causal=causal, window=window, segment_ids=segment_ids,
-        q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask,
-    )
-    drop = _dropout(dropout_rate, dropout_keep, vis.shape)
+    vis, drop, (scale, softcap, bias) = _judged(kwargs, b, hq, tq, k.shape[1], dropout_keep,
+                                                "oracle.attention()")
     *_, out, lse = _forward_parts(q, k, v, scale, softcap, bias, vis, drop)
     return out.transpose(0, 2, 1, 3), lse
+
+
+def _judged(given: Any, b: int, hq: int, tq: int, tk: int, keep: Any, where: str,
+            ) -> tuple[np.ndarray, np.ndarray | None, tuple[Any, Any, Any]]:
+    """The visibility, the dropout factor and (scale, softcap, bias) of a call's
+    keywords (:class:`~attn_backends.contract.call.LogitKeywords`)."""
+    kw = keywords(given, LogitKeywords, where)
+    vis = visibility(b, hq, tq, tk, **{name: kw[name] for name in MaskKeywords.__annotations__})
+    return vis, _dropout(kw["dropout_rate"], keep, vis.shape), (kw["scale"], kw["softcap"],
+                                                                 kw["bias"])
 
 
 def _reduce_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -153,25 +137,9 @@ def _reduce_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def attention_vjp(
-    q: Any,
-    k: Any,
-    v: Any,
-    d_out: Any,
-    *,
-    d_lse: Any = None,
-    scale: float | None = None,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    segment_ids: tuple[Any, Any] | None = None,
-    q_lengths: Any = None,
-    kv_lengths: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    softcap: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_keep: Any = None,
-) -> dict[str, np.ndarray | None]:
+def attention_vjp(q: Any, k: Any, v: Any, d_out: Any, *, d_lse: Any = None,
+                  dropout_keep: Any = None, **kwargs: Unpack[LogitKeywords],
+                  ) -> dict[str, np.ndarray | None]:
     """Closed-form gradients of :func:`attention` in float64.
 
     ``d_out [B, Tq, Hq, Dv]`` and optional ``d_lse [B, Hq, Tq]`` are the
@@ -181,11 +149,8 @@ def attention_vjp(
     q, k, v, d_out = _f64(q), _f64(k), _f64(v), _f64(d_out)
     b, tq, hq, _ = q.shape
     tk, hkv = k.shape[1], k.shape[2]
-    vis = visibility(
-        b, hq, tq, tk, causal=causal, window=window, segment_ids=segment_ids,
-        q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask,
-    )
-    drop = _dropout(dropout_rate, dropout_keep, vis.shape)
+    vis, drop, (scale, softcap, bias) = _judged(kwargs, b, hq, tq, tk, dropout_keep,
+                                                "oracle.attention_vjp()")
     scale, qh, kh, vh, tanh, probs, _, _ = _forward_parts(q, k, v, scale, softcap, bias, vis,
                                                           drop)
     do = d_out.transpose(0, 2, 1, 3)
@@ -215,25 +180,9 @@ def attention_vjp(
     }
 
 
-def magnitudes(
-    q: Any,
-    k: Any,
-    v: Any,
-    d_out: Any,
-    *,
-    d_lse: Any = None,
-    scale: float | None = None,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    segment_ids: tuple[Any, Any] | None = None,
-    q_lengths: Any = None,
-    kv_lengths: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    softcap: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_keep: Any = None,
-) -> dict[str, np.ndarray | None]:
+def magnitudes(q: Any, k: Any, v: Any, d_out: Any, *, d_lse: Any = None,
+               dropout_keep: Any = None, **kwargs: Unpack[LogitKeywords],
+               ) -> dict[str, np.ndarray | None]:
     """The size of the terms summed into each output element, in float64.
 
     Every output of attention is a sum (``out = P @ V``, ``dq = dS @ K``, ...).
@@ -249,11 +198,8 @@ def magnitudes(
     q, k, v, d_out = _f64(q), _f64(k), _f64(v), _f64(d_out)
     b, tq, hq, _ = q.shape
     tk, hkv = k.shape[1], k.shape[2]
-    vis = visibility(
-        b, hq, tq, tk, causal=causal, window=window, segment_ids=segment_ids,
-        q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask,
-    )
-    drop = _dropout(dropout_rate, dropout_keep, vis.shape)
+    vis, drop, (scale, softcap, bias) = _judged(kwargs, b, hq, tq, tk, dropout_keep,
+                                                "oracle.magnitudes()")
     scale, qh, kh, vh, tanh, probs, _, lse = _forward_parts(q, k, v, scale, softcap, bias, vis,
                                                             drop)
     logits = scale * np.abs(np.einsum("bhid,bhjd->bhij", qh, kh))

@@ -107,7 +107,7 @@ def paged_case(seqs: Sequence[tuple[int, int]], *, page_size: int, hq: int = 4,
                hkv: int = 2, d: int = 8, num_seqs: int | None = None, order: str = "random",
                pad_rows: int = 0, extra_cols: int = 1, spare_pages: int = 2,
                garbage: bool = True, seed: int = 0,
-               cache_dtype: str | None = None) -> PagedCase:
+               kv_dtype: str | None = None, cache_dtype: str | None = None) -> PagedCase:
     """A batch of sequences ``(q_len, kv_len)``; only the first ``num_seqs`` count
     (default all), the rest are uncounted table rows with garbage metadata.
 
@@ -119,11 +119,17 @@ def paged_case(seqs: Sequence[tuple[int, int]], *, page_size: int, hq: int = 4,
     uncounted sequences' metadata. Without it, zeros: the same case's
     zero-filled twin (the same seed draws the same values).
 
-    ``cache_dtype`` (int8, float8_e4m3fn, float8_e5m2): the pages hold each
+    ``kv_dtype`` (int8, float8_e4m3fn, float8_e5m2): the pages hold each
     filled position's K and V quantized (:func:`quantize_rows`) with their
     scales; with ``garbage``, unfilled positions hold arbitrary bytes (NaN and
     Inf where the dtype has them) and NaN, Inf and -Inf in their scale slots.
+    ``cache_dtype``: its name before 0.2 (deprecated).
     """
+    if cache_dtype is not None:
+        from ..contract.errors import renamed
+
+        renamed("paged_case(cache_dtype=)", "paged_case(kv_dtype=)")
+        kv_dtype = cache_dtype if kv_dtype is None else kv_dtype
     rng = np.random.default_rng(seed)
     num_seqs = len(seqs) if num_seqs is None else num_seqs
     counted = list(seqs[:num_seqs])
@@ -170,24 +176,24 @@ def paged_case(seqs: Sequence[tuple[int, int]], *, page_size: int, hq: int = 4,
     case = PagedCase(q, k_pages, v_pages, cu, kv_lens, table, num_seqs,
                      np.asarray(slots, np.int32), np.asarray(k_rows) if k_rows else empty,
                      np.asarray(v_rows) if v_rows else empty)
-    return case if cache_dtype is None else _quantized(case, cache_dtype, garbage)
+    return case if kv_dtype is None else _quantized(case, kv_dtype, garbage)
 
 
-def quantize_rows(x: np.ndarray, cache_dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """x ``[..., D]`` -> (values ``[..., D]`` in ``cache_dtype``, float32 scales
+def quantize_rows(x: np.ndarray, kv_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """x ``[..., D]`` -> (values ``[..., D]`` in ``kv_dtype``, float32 scales
     ``[...]``) by the contract's rule, in NumPy: ``scale = max|x| / largest``;
     int8 values rounded half to even, float8 values rounded by the cast; a row
     of zeros stores scale 0. Finite rows only."""
     import ml_dtypes  # noqa: F401 - registers the float8 dtypes with NumPy
 
     x = np.asarray(x, np.float32)
-    largest = np.float32(LARGEST[cache_dtype])
+    largest = np.float32(LARGEST[kv_dtype])
     scales = (np.max(np.abs(x), axis=-1) / largest).astype(np.float32)
     ratio = x / np.where(scales > 0, scales, np.float32(1))[..., None]
     ratio = np.clip(ratio, -largest, largest)
-    if cache_dtype == "int8":
+    if kv_dtype == "int8":
         ratio = np.rint(ratio)
-    return ratio.astype(np.dtype(cache_dtype)), scales
+    return ratio.astype(np.dtype(kv_dtype)), scales
 
 
 def dequantize_rows(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -209,26 +215,26 @@ def dequantize_rows(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
 _MANTISSA = {"float8_e4m3fn": 3, "float8_e5m2": 2}
 
 
-def half_step(values: np.ndarray, cache_dtype: str) -> np.ndarray:
-    """Half the distance from each stored value to its neighbours in ``cache_dtype``,
+def half_step(values: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """Half the distance from each stored value to its neighbours in ``kv_dtype``,
     in units of its scale, float64 like ``values``: 0.5 for int8; for float8 half
     the spacing at the value (the wider one, below a power of two), never below
     half the smallest subnormal step. An element is quantized right when it lies
     within ``half_step * scale`` of ``value * scale``."""
-    if cache_dtype == "int8":
+    if kv_dtype == "int8":
         return np.full(values.shape, 0.5)
     import ml_dtypes
 
-    tiny = float(ml_dtypes.finfo(np.dtype(cache_dtype)).smallest_subnormal)
-    bits = _MANTISSA[cache_dtype]
+    tiny = float(ml_dtypes.finfo(np.dtype(kv_dtype)).smallest_subnormal)
+    bits = _MANTISSA[kv_dtype]
     return 0.5 * np.maximum(np.abs(values.astype(np.float64)) * 2.0 ** -bits, tiny)
 
 
-def _quantized(case: PagedCase, cache_dtype: str, garbage: bool) -> PagedCase:
+def _quantized(case: PagedCase, kv_dtype: str, garbage: bool) -> PagedCase:
     """``case`` with its filled positions quantized and garbage (or zeros) elsewhere."""
     import ml_dtypes  # noqa: F401 - registers the float8 dtypes with NumPy
 
-    dtype = np.dtype(cache_dtype)
+    dtype = np.dtype(kv_dtype)
     shape = case.k_pages.shape
     flat = shape[0] * shape[1]
     arrays = []
@@ -243,7 +249,7 @@ def _quantized(case: PagedCase, cache_dtype: str, garbage: bool) -> PagedCase:
                 values, scales = values[::-1].copy(), scales[::-1].copy()
         else:
             values, scales = np.zeros(shape, dtype), np.zeros(shape[:3], np.float32)
-        q, s = quantize_rows(rows, cache_dtype)
+        q, s = quantize_rows(rows, kv_dtype)
         values.reshape(flat, *shape[2:])[case.slots] = q
         scales.reshape(flat, shape[2])[case.slots] = s
         arrays += [values, scales]

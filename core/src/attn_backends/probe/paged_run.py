@@ -41,7 +41,7 @@ def probe_batch(call: PagedCall) -> PagedCase:
         seqs = [(min(q, call.max_q_len), kv) for q, kv in seqs]
     return paged_case(seqs, page_size=p, hq=call.q_heads, hkv=call.kv_heads, d=call.head_dim,
                       num_seqs=4, pad_rows=2, order="random", seed=0,
-                      cache_dtype=call.cache_dtype)
+                      kv_dtype=call.kv_dtype)
 
 
 def _written(call: PagedCall, case: PagedCase) -> tuple[list[np.ndarray], np.ndarray,
@@ -107,10 +107,10 @@ def _write_reasons(call: PagedCall, case: PagedCase, pools: Any, tokens: tuple[A
             scales = np.asarray(scales).reshape(-1, call.kv_heads)[new].astype(np.float64)
             x = np.asarray(x[: new.size]).astype(np.float64)
             err = np.abs(dequantize_rows(values, scales) - x)
-            bound = half_step(values, call.cache_dtype) * scales[..., None] + 1e-6 * np.abs(x)
+            bound = half_step(values, call.kv_dtype) * scales[..., None] + 1e-6 * np.abs(x)
             # The rule's scale, max|x| / largest: a larger one keeps every element
             # within its (coarser) half step, and so does the oracle reading it.
-            want = np.abs(x).max(-1) / LARGEST[call.cache_dtype]
+            want = np.abs(x).max(-1) / LARGEST[call.kv_dtype]
             if not np.all(err <= bound):
                 reasons.append(f"probe: write quantized {name} wrong: an element is "
                                f"{np.max(err - bound):.3g} past half a step of its stored value "
@@ -118,7 +118,7 @@ def _write_reasons(call: PagedCall, case: PagedCase, pools: Any, tokens: tuple[A
             elif not np.allclose(scales, want, rtol=3e-7, atol=0):
                 worst = np.max(np.abs(scales / want - 1))
                 reasons.append(f"probe: write quantized {name} wrong: scales are not max|x| / "
-                               f"{LARGEST[call.cache_dtype]:g} (worst {worst:.3g} "
+                               f"{LARGEST[call.kv_dtype]:g} (worst {worst:.3g} "
                                f"off), on {call.describe()}")
     return reasons
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import attn_backends
 from attn_backends.authoring import (
-    QUANTIZED_CACHE_DTYPES,
+    QUANTIZED_KV_DTYPES,
     AttentionCall,
     Backend,
     HeadDims,
@@ -56,7 +56,7 @@ PAGED_MANIFEST = PagedCapabilities(
     head_dims=HeadDims(allowed=frozenset({128})),
     page_sizes=frozenset({16, 32, 64, 128, 256}),
     gqa=True, softcap=True, window=True,
-    cache_dtypes=frozenset(QUANTIZED_CACHE_DTYPES),
+    kv_dtypes=frozenset(QUANTIZED_KV_DTYPES),
     jax_versions=">=0.10,<0.13",
 )
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import attn_backends
 from attn_backends.authoring import (
-    QUANTIZED_CACHE_DTYPES,
+    QUANTIZED_KV_DTYPES,
     AttentionCall,
     Backend,
     KVCache,
@@ -62,7 +62,7 @@ class NativeCpuBackend(Backend, PagedBackend):
     paged_capabilities = PagedCapabilities(platforms={"cpu"}, dtypes={"float32", "bfloat16"},
                                            gqa=True, softcap=True, window=True,
                                            check_vma=True, jax_versions=">=0.10,<0.13",
-                                           cache_dtypes=QUANTIZED_CACHE_DTYPES)
+                                           kv_dtypes=QUANTIZED_KV_DTYPES)
 
     def check(self, call: AttentionCall) -> list[str]:
         """The library's load failure, if any (it loads here, on the first call)."""

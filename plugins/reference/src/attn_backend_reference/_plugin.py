@@ -8,7 +8,7 @@ from attn_backends.authoring import (
     CLAIMABLE_DTYPES,
     FEATURES,
     PLATFORMS,
-    QUANTIZED_CACHE_DTYPES,
+    QUANTIZED_KV_DTYPES,
     AttentionCall,
     Backend,
     KVCache,
@@ -35,14 +35,14 @@ class ReferenceBackend(Backend, PagedBackend):
     # quantized K and V (dequantized, forward only).
     capabilities = manifest(platforms=PLATFORMS, features=FEATURES, dtypes=CLAIMABLE_DTYPES,
                             bias_grad=True, differentiable=True, partitionable=True, check_vma=True,
-                            jax_versions=">=0.10", kv_dtypes=QUANTIZED_CACHE_DTYPES)
+                            jax_versions=">=0.10", kv_dtypes=QUANTIZED_KV_DTYPES)
     priority = {"cpu": 0, "gpu": 0, "tpu": 0}
     # Any page size, head dim and batch shape; init_cache, write and the
     # canonical round trip are PagedBackend's canonical-layout defaults. Every
     # quantized cache (the gathered positions dequantized).
     paged_capabilities = PagedCapabilities(platforms=PLATFORMS, dtypes=CLAIMABLE_DTYPES,
                                            gqa=True, softcap=True, window=True,
-                                           check_vma=True, cache_dtypes=QUANTIZED_CACHE_DTYPES)
+                                           check_vma=True, kv_dtypes=QUANTIZED_KV_DTYPES)
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                options: Any = None) -> Any:

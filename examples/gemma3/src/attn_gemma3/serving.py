@@ -10,7 +10,7 @@ call (``window=(511, None)``), the global ones through one without. Greedy
 decoding; a step's program is compiled ahead of its first run per row bucket
 (powers of two), so step times never include compilation.
 
-``cache_dtype`` stores every layer's cache quantized (int8 or float8: values
+``kv_dtype`` stores every layer's cache quantized (int8 or float8: values
 and a float32 scale per position and kv head, the registry's rule): the bytes
 a token keeps (:meth:`Engine.bytes_per_token`) and the requests a memory budget
 holds (:meth:`Engine.requests_in`) follow. :meth:`Engine.log_probs` scores a
@@ -21,7 +21,7 @@ perplexity each cache dtype gives.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,12 +45,35 @@ class Request:
     arrival: int = 0
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One request's wall clock (``time.perf_counter()`` seconds): when it was
+    submitted, when its first and last new tokens were decoded, and how many."""
+
+    submitted: float
+    first: float
+    last: float
+    tokens: int
+
+    @property
+    def time_to_first_token(self) -> float:
+        """Seconds from its submission to its first new token (its prefill)."""
+        return self.first - self.submitted
+
+    @property
+    def decode_rate(self) -> float:
+        """Its new tokens after the first per second (nan for one token)."""
+        return (self.tokens - 1) / (self.last - self.first) if self.tokens > 1 else float("nan")
+
+
 @dataclass
 class _Live:
     request: Request
+    submitted: float
     pages: list[int] = field(default_factory=list)
     computed: int = 0                      # positions whose K and V are in the cache
     new: list[int] = field(default_factory=list)
+    first: float = 0.0                     # when its first new token was decoded
 
     @property
     def known(self) -> int:                # prompt and generated tokens so far
@@ -79,7 +102,7 @@ class Engine:
     ``max_seqs`` at once, each at most ``max_context`` positions long, over
     ``num_pages`` pages of ``page_size`` positions per layer (default: enough for
     ``max_seqs`` requests of ``max_context``). ``backend``, ``prefer``,
-    ``registry``, ``device`` and ``cache_dtype`` (None: the caches hold K and V in
+    ``registry``, ``device`` and ``kv_dtype`` (None: the caches hold K and V in
     ``dtype``; "int8", "float8_e4m3fn", "float8_e5m2": quantized) as in
     ``registry.get_paged``."""
 
@@ -88,7 +111,7 @@ class Engine:
                  num_pages: int | None = None, backend: str | None = None,
                  prefer: str | Sequence[str] | None = None,
                  registry: attn_backends.Registry | None = None, device: Any = None,
-                 cache_dtype: str | None = None):
+                 kv_dtype: str | None = None):
         for name, value in (("max_context", max_context), ("page_size", page_size),
                             ("max_seqs", max_seqs), ("chunk_budget", chunk_budget)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -101,10 +124,10 @@ class Engine:
         self.paged = {w: registry.get_paged(
             device=device, backend=backend, prefer=prefer, num_q_heads=cfg.heads,
             num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
-            scale=cfg.scale, window=None if w is None else (w, None), cache_dtype=cache_dtype)
+            scale=cfg.scale, window=None if w is None else (w, None), kv_dtype=kv_dtype)
             for w in kinds}
         #: What the caches store K and V in: ``dtype``, or the quantized dtype.
-        self.cache_dtype = next(iter(self.paged.values())).call.cache_dtype or dtype
+        self.kv_dtype = next(iter(self.paged.values())).call.kv_dtype or dtype
         self.table_width = -(-max_context // page_size)
         self.num_pages = num_pages = num_pages or max_seqs * self.table_width
         self.caches = tuple(self.paged[window_of(cfg, layer)].init_cache(num_pages)
@@ -115,10 +138,22 @@ class Engine:
         self._scorer = jax.jit(self._score, donate_argnums=1)
         self._compiled: dict[int, Any] = {}
         self.compile_seconds = 0.0
-        self.waiting: list[Request] = []
+        self.waiting: list[tuple[Request, float]] = []
         self.live: list[_Live] = []
         self.finished: dict[int, list[int]] = {}
+        #: Each finished request's :class:`Timing`, by id.
+        self.timings: dict[int, Timing] = {}
         self.steps: list[Step] = []
+        self.clock = 0
+
+    def reset(self) -> None:
+        """Forget the finished requests, the steps and the clock of an idle engine, to
+        serve again with the programs it compiled (its pages are all free)."""
+        if self.live or self.waiting:
+            raise RuntimeError("reset: the engine is serving requests")
+        self.finished.clear()
+        self.timings.clear()
+        self.steps.clear()
         self.clock = 0
 
     def backends(self) -> dict[str, str]:
@@ -226,7 +261,7 @@ class Engine:
                     self.params, self.caches, jnp.asarray(a["tokens"]),
                     jnp.asarray(a["positions"]), jnp.asarray(a["slots"]), batch,
                     jnp.asarray(a["targets"]))
-                out.append(np.asarray(logp[:n], np.float64))
+                out.append(np.asarray(logp, np.float64)[:n])  # sliced on the host: no program per n
         finally:
             self.free += pages
         return np.concatenate(out)
@@ -243,7 +278,7 @@ class Engine:
             raise ValueError(f"request {request.id} needs {pages} pages of {self.page_size} "
                              f"positions, the pool has {self.num_pages}: make the engine with "
                              "more num_pages")
-        self.waiting.append(request)
+        self.waiting.append((request, time.perf_counter()))
 
     def _pages_needed(self, request: Request) -> int:
         """Pages a request holds at its longest (its last new token is never fed back)."""
@@ -254,11 +289,11 @@ class Engine:
         every running request's longest length: no request ever waits for a page."""
         owed = sum(self._pages_needed(r.request) - len(r.pages) for r in self.live)
         while self.waiting and len(self.live) < self.max_seqs:
-            need = self._pages_needed(self.waiting[0])
+            need = self._pages_needed(self.waiting[0][0])
             if len(self.free) - owed < need:
                 break
             owed += need
-            self.live.append(_Live(self.waiting.pop(0)))
+            self.live.append(_Live(*self.waiting.pop(0)))
 
     def _plan(self) -> list[tuple[_Live, int]]:
         """Decode rows first (one per request past its prompt), then prompt chunks."""
@@ -298,19 +333,21 @@ class Engine:
             row += n
         return out
 
-    def step(self) -> None:
+    def step(self) -> list[tuple[int, int, bool]]:
         """Admit, run one ragged batch, take each sequence's next token if its last
-        known token ran, retire the finished (their pages go back)."""
+        known token ran, retire the finished (their pages go back). Returns the
+        ``(request id, token, whether it is the request's last)`` decoded, in the
+        batch's order."""
         self._admit()
         plan = self._plan()
         self.clock += 1
         if not plan and self.waiting and not self.live:
             # every page should be free now: a request that still cannot start
             # would wait forever
-            raise RuntimeError(f"request {self.waiting[0].id} cannot start with nothing "
+            raise RuntimeError(f"request {self.waiting[0][0].id} cannot start with nothing "
                                f"running: {len(self.free)} of {self.num_pages} pages free")
         if not plan:
-            return
+            return []
         a = self._arrays(plan)
         batch = attn_backends.PagedBatch(jnp.asarray(a["cu"]), jnp.asarray(a["kv_lens"]),
                                          jnp.asarray(a["table"]), jnp.int32(len(plan)))
@@ -328,22 +365,33 @@ class Engine:
         self.steps.append(Step(self.clock - 1, tuple((r.request.id, r.computed, n)
                                                      for r, n in plan), rows,
                                any(r.computed < len(r.request.prompt) for r, _ in plan), seconds))
+        decoded, now = [], time.perf_counter()
         for s, (r, n) in enumerate(plan):
             r.computed += n
             if r.computed == r.known:
                 r.new.append(int(next_tokens[s]))
+                r.first = r.first or now
+                decoded.append((r.request.id, r.new[-1]))
         for r in [r for r in self.live if len(r.new) == r.request.max_new
                   or (r.new and r.new[-1] == self.cfg.eos)]:
             self.live.remove(r)
             self.free += r.pages
             self.finished[r.request.id] = r.new
+            self.timings[r.request.id] = Timing(r.submitted, r.first, now, len(r.new))
+        return [(i, token, i in self.finished) for i, token in decoded]
 
-    def run(self, requests: Sequence[Request]) -> dict[int, list[int]]:
-        """Serve ``requests``, each submitted at its arrival step: their new tokens by id
-        (EOS included when a request ended on it)."""
+    def serve(self, requests: Sequence[Request]) -> Iterator[tuple[int, int, bool]]:
+        """Serve ``requests``, each submitted at its arrival step, yielding each
+        ``(request id, token, whether it is the request's last)`` as its step
+        decodes it (EOS included when a request ends on it)."""
         pending = sorted(requests, key=lambda r: r.arrival)
         while pending or self.waiting or self.live:
             while pending and pending[0].arrival <= self.clock:
                 self.submit(pending.pop(0))
-            self.step()
+            yield from self.step()
+
+    def run(self, requests: Sequence[Request]) -> dict[int, list[int]]:
+        """Serve ``requests`` (as :meth:`serve`): their new tokens by id."""
+        for _ in self.serve(requests):
+            pass
         return {r.id: self.finished[r.id] for r in requests}

@@ -110,7 +110,7 @@ DIST := dist
 TIMED := tools/stage_time.sh
 
 .PHONY: install install-compat test-newest lock demo dist lint matrix readme-matrix test test-stages test-main test-compat \
-	test-wheels test-gpu clean gemma3-peer bench-gemma3
+	test-wheels test-gpu clean gemma3-peer bench-gemma3 bench-gemma3-wall
 
 # Every environment installs from a lock in requirements/ (uv pip compile: every
 # package at an exact version), so a fresh clone builds what CI built the day the
@@ -484,7 +484,25 @@ bench-gemma3: install $(STAMP_PEER)
 	$(PY_PEER) benchmarks/bench_gemma3_peers.py "$(GGUF_PATH)" --json .bench-gemma3-peers.json
 	$(PY) benchmarks/bench_gemma3.py --report .bench-gemma3-ours.json .bench-gemma3-peers.json
 
+# Gemma 3 on the wall clock of the public API (issue 58): ours, transformers'
+# generate and llama.cpp's create_completion, each runtime and dtype in its own
+# process, one after the other; the report is BENCHMARKS.md's table.
+WALL := .bench-gemma3-wall
+bench-gemma3-wall: install $(STAMP_PEER)
+	mkdir -p $(WALL)
+	for d in float32 bfloat16; do \
+		$(PY) benchmarks/bench_gemma3_wall.py --runtime ours --dtype $$d \
+			--json $(WALL)/ours-$$d.json $(WALL_FLAGS) > /dev/null || exit 1; \
+		$(PY_PEER) benchmarks/bench_gemma3_wall.py --runtime transformers --dtype $$d \
+			--gguf "$(GGUF_PATH)" --json $(WALL)/transformers-$$d.json $(WALL_FLAGS) \
+			> /dev/null || exit 1; done
+	$(PY_PEER) benchmarks/bench_gemma3_wall.py --runtime llama_cpp --gguf "$(GGUF_PATH)" \
+		--json $(WALL)/llama_cpp.json $(WALL_FLAGS) > /dev/null
+	$(PY) benchmarks/bench_gemma3_wall.py --report $(WALL)/ours-float32.json \
+		$(WALL)/transformers-float32.json $(WALL)/ours-bfloat16.json \
+		$(WALL)/transformers-bfloat16.json $(WALL)/llama_cpp.json
+
 clean:
 	rm -rf $(VENV) $(VENV_COMPAT) $(VENV_NEWEST) $(UV_VENV) $(NEWEST) $(CERTS) .attn-cache \
-		$(DIST) .stage-times \
+		$(DIST) .stage-times $(WALL) \
 		examples/transformer/checkpoints

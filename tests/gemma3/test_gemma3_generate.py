@@ -47,6 +47,19 @@ def test_a_second_call_of_the_same_size_compiles_nothing(model):
     assert counted == []
 
 
+def test_a_stream_left_unread_frees_its_engine_for_the_next_call(model):
+    prompt = "Once upon a time, in a small village by the sea, there lived"
+    whole = model.generate([prompt], max_new_tokens=8)
+    engine = model.last_engine
+    stream = model.stream([prompt], max_new_tokens=8)
+    next(stream)
+    stream.close()  # the caller stops reading: its request is still live
+    assert engine.live
+    with compiles() as counted:
+        assert model.generate([prompt], max_new_tokens=8) == whole
+    assert counted == [] and sorted(engine.free) == list(range(engine.num_pages))
+
+
 def test_the_teeth_a_fresh_engine_compiles(model):
     model.generate(["Hello"], max_new_tokens=4)
     with compiles() as counted:

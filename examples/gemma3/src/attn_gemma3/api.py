@@ -196,7 +196,7 @@ class Gemma3:
                options: dict[str, Any]) -> Iterator[tuple[int, int, bool]]:
         """``(prompt index, token, whether it is the request's last)`` as a kept
         engine decodes them."""
-        options.setdefault("max_seqs", min(8, len(prompts)))
+        options.setdefault("max_seqs", min(16, len(prompts)))
         engine = self.kept_engine(max(len(p) for p in prompts) + max_new_tokens - 1,
                                   **options)
         yield from engine.serve([Request(i, tuple(p), max_new_tokens)

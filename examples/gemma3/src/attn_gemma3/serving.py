@@ -147,10 +147,13 @@ class Engine:
         self.clock = 0
 
     def reset(self) -> None:
-        """Forget the finished requests, the steps and the clock of an idle engine, to
-        serve again with the programs it compiled (its pages are all free)."""
-        if self.live or self.waiting:
-            raise RuntimeError("reset: the engine is serving requests")
+        """Ready the engine to serve again with the programs it compiled: forget the
+        finished requests, the steps and the clock, and abandon unfinished ones (a
+        stream whose caller stopped reading), their pages back on the free list."""
+        for r in self.live:
+            self.free += r.pages
+        self.live.clear()
+        self.waiting.clear()
         self.finished.clear()
         self.timings.clear()
         self.steps.clear()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .call import DTYPES, FEATURES, QUANTIZED_KV_DTYPES, WIDE_DTYPES, AttentionCall
 from .environment import PLATFORMS, check_platform
@@ -108,21 +110,28 @@ class Manifest:
             )
         validate_spec(self.jax_versions)
 
-    def unmet_by(self, platform: str, dtype: str, head_dims: tuple[int, ...],
-                 kv_dtype: str | None) -> list[str]:
-        """Why this manifest excludes a call on ``platform`` in ``dtype`` with
-        ``head_dims`` (D, then Dv when it differs) and K and V stored in
-        ``kv_dtype`` (None: the call's dtype); empty if nothing does."""
+    def unmet_by(self, call: Any, platform: str | None, head_dims: tuple[int, ...],
+                 extra: Sequence[str] = ()) -> list[str]:
+        """Why this manifest excludes ``call`` (dense or paged: its ``dtype``,
+        ``features`` and ``kv_dtype``) on ``platform`` (None: whatever the
+        platform), with ``head_dims`` (D, then Dv when it differs) and a
+        subclass's ``extra`` reasons; in that order, then the features it does
+        not claim (:attr:`features`, each subclass's), then quantized K and V it
+        does not read. Empty if nothing does."""
         reasons = []
-        if platform not in self.platforms:
+        if platform is not None and platform not in self.platforms:
             reasons.append(f"platform {platform!r} not in {sorted(self.platforms)}")
-        if dtype not in self.dtypes:
-            reasons.append(f"dtype {dtype} not in {sorted(self.dtypes)}")
+        if call.dtype not in self.dtypes:
+            reasons.append(f"dtype {call.dtype} not in {sorted(self.dtypes)}")
         for what, dim in zip(("head_dim", "v_head_dim"), head_dims, strict=False):
             reasons += self.head_dims.reasons(dim, what)
-        if kv_dtype is not None and kv_dtype not in self.kv_dtypes:
+        reasons += extra
+        reasons += [f"feature {f!r} not supported"
+                    for f in sorted(call.features - self.features)]  # type: ignore[attr-defined]
+        if call.kv_dtype is not None and call.kv_dtype not in self.kv_dtypes:
             reads = ", ".join(sorted(self.kv_dtypes)) or "none"
-            reasons.append(f"kv dtype {kv_dtype}: reads no such quantized K, V (reads {reads})")
+            reasons.append(f"kv dtype {call.kv_dtype}: reads no such quantized K, V "
+                           f"(reads {reads})")
         return reasons
 
     def as_dict(self) -> dict[str, object]:
@@ -176,17 +185,17 @@ class Capabilities(Manifest):
 
     def unmet(self, call: AttentionCall, platform: str) -> list[str]:
         """Every reason this manifest excludes ``call`` on ``platform``; empty if none."""
-        dims = (call.head_dim,) if call.v_head_dim == call.head_dim else (
-            call.head_dim, call.v_head_dim)
-        reasons = self.unmet_by(platform, call.dtype, dims, call.kv_dtype)
-        kv = [r for r in reasons if r.startswith("kv dtype")]
-        return [r for r in reasons if r not in kv] + [
-            f"feature {f!r} not supported" for f in sorted(call.features - self.features)] + kv
+        return self._unmet(call, platform)
 
     def unclaimed(self, call: AttentionCall) -> list[str]:
         """What ``call`` uses that this manifest does not claim (dtype, head dims,
         features), whatever the platform; empty if none."""
-        return self.unmet(call, next(iter(sorted(self.platforms))))
+        return self._unmet(call, None)
+
+    def _unmet(self, call: AttentionCall, platform: str | None) -> list[str]:
+        dims = (call.head_dim,) if call.v_head_dim == call.head_dim else (
+            call.head_dim, call.v_head_dim)
+        return self.unmet_by(call, platform, dims)
 
     def served_call(self, call: AttentionCall) -> AttentionCall:
         """The call core hands a backend with this manifest for ``call``.

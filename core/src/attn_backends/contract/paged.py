@@ -187,18 +187,14 @@ class PagedCapabilities(Manifest):
 
     def unmet(self, call: PagedCall, platform: str) -> list[str]:
         """Every reason this manifest excludes ``call`` on ``platform``; empty if none."""
-        reasons = self.unmet_by(platform, call.dtype, (call.head_dim,), call.kv_dtype)
-        kv = [r for r in reasons if r.startswith("kv dtype")]
-        reasons = [r for r in reasons if r not in kv]
+        extra = []
         if self.page_sizes is not None and call.page_size not in self.page_sizes:
-            reasons.append(f"page_size={call.page_size} not in {sorted(self.page_sizes)}")
+            extra.append(f"page_size={call.page_size} not in {sorted(self.page_sizes)}")
         if self.max_q_len is not None and (call.max_q_len is None
                                            or call.max_q_len > self.max_q_len):
-            reasons.append(f"max_q_len={call.max_q_len}: serves at most {self.max_q_len} "
-                           "query rows per sequence")
-        for feature in sorted(call.features - self.features):
-            reasons.append(f"feature {feature!r} not supported")
-        return reasons + kv
+            extra.append(f"max_q_len={call.max_q_len}: serves at most {self.max_q_len} "
+                         "query rows per sequence")
+        return self.unmet_by(call, platform, (call.head_dim,), extra)
 
 
 _init_paged_capabilities = PagedCapabilities.__init__

@@ -76,6 +76,8 @@ def test_prompts_and_lengths_the_model_cannot_serve(model):
         model.generate_ids([[2, 1000]], -2)
     with pytest.raises(ValueError, match=r"chunk_budget: expected an int >= 1, got 0"):
         model.engine(64, chunk_budget=0)
+    with pytest.raises(ValueError, match=r"chunk_budget: expected at least max_seqs \(8\)"):
+        model.engine(64, max_seqs=8, chunk_budget=4)
 
 
 def test_the_command_prints_the_error_not_a_traceback(tmp_path):

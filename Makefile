@@ -109,7 +109,7 @@ DIST := dist
 # STAGE_TIMES), appends "NAME SECONDS STATUS" to .stage-times.
 TIMED := tools/stage_time.sh
 
-.PHONY: install install-compat test-newest lock demo dist lint matrix readme-matrix test test-stages test-main test-compat \
+.PHONY: install install-compat test-newest lock demo dist docs lint matrix docs-matrix test test-stages test-main test-compat \
 	test-wheels test-gpu clean gemma3-peer bench-gemma3 bench-gemma3-wall
 
 # Every environment installs from a lock in requirements/ (uv pip compile: every
@@ -242,8 +242,19 @@ matrix: install
 	$(TIMED) $@ -- $(VENV)/bin/attn-backends matrix $(CERTS)
 
 # The README's matrix, rewritten from the certificates of the last `make test`.
-readme-matrix: install
-	$(VENV)/bin/attn-backends matrix $(CERTS) --into README.md
+docs-matrix: install
+	$(VENV)/bin/attn-backends matrix $(CERTS) --into docs/compatibility.md
+
+# The site (docs/conf.py: the Markdown of docs/, BENCHMARKS.md and the backends'
+# READMEs), built from scratch with warnings as errors: a link to a page or a
+# heading that does not exist fails it, and so does a guide's code cell that
+# raises (myst-nb runs each guide's cells in a fresh kernel). Opens at
+# docs/_build/html/index.html.
+DOCS_BUILD := docs/_build
+docs: export XLA_FLAGS = $(TEST_XLA_FLAGS)
+docs: install
+	rm -rf $(DOCS_BUILD)
+	$(TIMED) $@ -- $(VENV)/bin/sphinx-build -W --keep-going -q -c docs -b html . $(DOCS_BUILD)/html
 
 # Ruff over every Python file of the repo (pyproject.toml holds its rules): seconds.
 lint: install
@@ -292,7 +303,7 @@ MAKE_2 := $(MAKE) -j2 --output-sync=target
 test-main: pytest-main
 	$(MAKE_2) certify-main-xla_native certify-main-flash_pallas \
 		certify-main-tokamax_xla_chunked certify-main-reference \
-		certify-main-tokamax_mosaic_tpu sanitize-native_cpu multidevice install-compat \
+		certify-main-tokamax_mosaic_tpu sanitize-native_cpu multidevice docs install-compat \
 		$(CERTIFY_MAIN)
 
 # The 2-process run of every call kind (separate caches) runs in pytest-compat

@@ -1,10 +1,11 @@
-"""The README's "Write a backend" section, followed literally, yields a certified backend.
+"""The guide "Write a backend" (docs/guides/write-backend.md), followed literally, yields a
+certified backend.
 
-The files are taken from the README's fenced blocks marked ``# file: PATH``,
+The files are taken from the guide's fenced blocks marked ``# file: PATH``,
 built and installed with pip into a temporary target, then discovered by a
 fresh ``attn-backends list``, used through the registry, and certified by
 ``attn-backends check`` (the full conformance suite): an example that fails
-the suite it tells authors to run is a bug in the README.
+the suite it tells authors to run is a bug in the guide.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "write-backend.md"
 BLOCK = re.compile(r"```\w*\n# file: (?P<path>\S+)\n(?P<body>.*?)```", re.S)
 
 
-def test_readme_backend_builds_installs_is_listed_and_certified(tmp_path):
-    blocks = BLOCK.findall(README.read_text())
+def test_the_guides_backend_builds_installs_is_listed_and_certified(tmp_path):
+    blocks = BLOCK.findall(GUIDE.read_text())
     assert {p for p, _ in blocks} == {
         "attn-backend-mine/pyproject.toml", "attn-backend-mine/attn_backend_mine.py"
     }

@@ -197,12 +197,12 @@ def test_into_writes_the_markdown_between_the_markers_and_keeps_the_rest(
     assert readme.read_text() == "no markers\n"
 
 
-def test_the_readme_matrix_is_the_commands_output() -> None:
-    """The README's block is what `matrix --into` writes: its two tables and the
+def test_the_docs_matrix_is_the_commands_output() -> None:
+    """docs/compatibility.md's block is what `matrix --into` writes: its two tables and the
     legend, every cell a word of the legend (a hand edit rarely is)."""
     from attn_backends_cli.matrix import LEGEND, MATRIX_BEGIN, MATRIX_END
 
-    text = (Path(__file__).parents[1] / "README.md").read_text()
+    text = (Path(__file__).parents[1] / "docs" / "compatibility.md").read_text()
     block = text.split(MATRIX_BEGIN + "\n", 1)[1].split(MATRIX_END, 1)[0]
     tables = [part for part in block.strip().split("\n\n")]
     assert len(tables) == 3 and tables[2] == LEGEND

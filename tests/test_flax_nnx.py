@@ -11,12 +11,11 @@ renamed ``HiPrim`` there).
 from __future__ import annotations
 
 import functools
-import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
+from _docs import code_block
 from _flax_support import BACKENDS, PRIMARY, close, ours, x
 from attn_backends import FallbackWarning
 from attn_backends_flax import DENSE_PATH
@@ -32,6 +31,9 @@ def _initialised(num_kv_heads: int | None) -> tuple[nnx.GraphDef, nnx.State]:
         num_heads=HEADS, in_features=F, qkv_features=F, num_kv_heads=num_kv_heads,
         decode=False, rngs=nnx.Rngs(0),
     ))
+
+
+PLATFORMS_PAGE = "docs/guides/platforms.md"
 
 
 def _module(num_kv_heads: int | None = None) -> nnx.MultiHeadAttention:
@@ -170,12 +172,10 @@ def test_nnx_served_and_explain_say_what_each_signature_became() -> None:
     assert f"served by: {PRIMARY}" in text and f"served by: {DENSE_PATH}" in text
 
 
-def test_the_readmes_flax_export_example_serialises_and_matches_flax() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
-                 if b.startswith("# example: export a flax module"))
+def test_the_docs_flax_export_example_serialises_and_matches_flax() -> None:
+    block = code_block(PLATFORMS_PAGE, "# example: export a flax module")
     scope: dict = {}
-    exec(compile(block, "README.md (flax export)", "exec"), scope)
+    exec(compile(block, f"{PLATFORMS_PAGE} (flax export)", "exec"), scope)
     restored = scope["restored"]
     assert restored.platforms == ("tpu", "cuda", "cpu")
     assert isinstance(scope["blob"], (bytes, bytearray))

@@ -5,16 +5,18 @@ platforms carries one selection per platform (docs/DESIGN.md, section 3)."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _docs import code_block
 from attn_backend_xla_native import BlockConfig
 from attn_backends.contract import jax_api
 from attn_backends_contracts._oracle import attention as oracle
+
+PLATFORMS_PAGE = "docs/guides/platforms.md"
 
 
 def _no_locations(module: str) -> str:
@@ -138,12 +140,10 @@ def test_a_backend_learns_the_platform_it_is_lowered_for():
     assert seen == ["cpu", "tpu", "cpu", "gpu"]
 
 
-def test_the_readmes_portable_export_example_runs_and_matches_the_oracle():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
-                 if b.startswith("# example: portable export"))
+def test_the_docs_portable_export_example_runs_and_matches_the_oracle():
+    block = code_block(PLATFORMS_PAGE, "# example: portable export")
     scope: dict = {}
-    exec(compile(block, "README.md (portable export)", "exec"), scope)
+    exec(compile(block, f"{PLATFORMS_PAGE} (portable export)", "exec"), scope)
     assert scope["exported"].platforms == ("tpu", "cuda", "cpu")
     q64 = np.asarray(scope["q"], np.float64)
     want, _ = oracle(q64, q64, q64, causal=True)

@@ -1,33 +1,28 @@
-"""The "Many chips" examples (docs/MANY_CHIPS.md, README.md) run as written, in fresh processes."""
+"""The "Many chips" examples (docs/MANY_CHIPS.md, the guide docs/guides/many-chips.md) run as
+written, in fresh processes."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _docs import FENCE, ROOT, code_blocks
 
-ROOT = Path(__file__).parents[2]
 
-
-def _many_chips_example(path: Path) -> str:
-    text = path.read_text()
-    if path.name == "README.md":
-        text = text.split("## Many chips", 1)[1].split("\n## ", 1)[0]
-    else:  # "Many hosts" shows a launch on a pod, which needs its hosts to run
-        text = text.split("\n## Many hosts", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 1, f"{path.name}: the 'Many chips' part has one runnable example"
+def _many_chips_example(doc: str) -> str:
+    # MANY_CHIPS.md's "Many hosts" shows a launch on a pod, which needs its hosts
+    blocks = code_blocks(doc) if doc.endswith("many-chips.md") else \
+        FENCE.findall((ROOT / doc).read_text().split("\n## Many hosts", 1)[0])
+    assert len(blocks) == 1, f"{doc}: the 'Many chips' part has one runnable example"
     return blocks[0]
 
 
-@pytest.mark.parametrize("doc", ["docs/MANY_CHIPS.md", "README.md"])
+@pytest.mark.parametrize("doc", ["docs/MANY_CHIPS.md", "docs/guides/many-chips.md"])
 def test_many_chips_example_runs(tmp_path, doc):
     script = tmp_path / "many_chips_example.py"
-    script.write_text(_many_chips_example(ROOT / doc))
+    script.write_text(_many_chips_example(doc))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "ATTN_BACKENDS_CACHE_DIR": str(tmp_path)}
     env.pop("XLA_FLAGS", None)
     env.pop("ATTN_BACKENDS_PALLAS_INTERPRET", None)

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
 
+#: The contract's version this core defines (``Backend.api_version`` names the one a
+#: backend implements; a backend of another version is not registered).
 API_VERSION = 1
 SUPPORTED_API_VERSIONS = frozenset({1})
 

@@ -110,7 +110,7 @@ DIST := dist
 TIMED := tools/stage_time.sh
 
 .PHONY: install install-compat test-newest lock demo dist docs lint matrix docs-matrix test test-stages test-main test-compat \
-	test-wheels test-gpu clean gemma3-peer bench-gemma3 bench-gemma3-wall
+	test-wheels test-gpu clean gemma3-peer bench-gemma3 bench-gemma3-wall bench-lengths
 
 # Every environment installs from a lock in requirements/ (uv pip compile: every
 # package at an exact version), so a fresh clone builds what CI built the day the
@@ -498,6 +498,17 @@ bench-gemma3: install $(STAMP_PEER)
 # Gemma 3 on the wall clock of the public API (issue 58): ours, transformers'
 # generate and llama.cpp's create_completion, each runtime and dtype in its own
 # process, one after the other; the report is BENCHMARKS.md's table.
+# Dense attention against the sequence length and a decode step against the cache's,
+# the CPU backends beside PyTorch's SDPA (benchmarks/bench_lengths.py): tables, and
+# the plots in benchmarks/plots/.
+LENGTHS := .bench-lengths
+bench-lengths: install $(STAMP_PEER)
+	mkdir -p $(LENGTHS)
+	$(PY) benchmarks/bench_lengths.py --runtime ours --json $(LENGTHS)/ours.json > /dev/null
+	$(PY_PEER) benchmarks/bench_lengths.py --runtime torch --json $(LENGTHS)/torch.json > /dev/null
+	$(PY) benchmarks/bench_lengths.py --report $(LENGTHS)/ours.json $(LENGTHS)/torch.json \
+		--plot benchmarks/plots
+
 WALL := .bench-gemma3-wall
 bench-gemma3-wall: install $(STAMP_PEER)
 	mkdir -p $(WALL)
@@ -511,7 +522,7 @@ bench-gemma3-wall: install $(STAMP_PEER)
 		--json $(WALL)/llama_cpp.json $(WALL_FLAGS) > /dev/null
 	$(PY) benchmarks/bench_gemma3_wall.py --report $(WALL)/ours-float32.json \
 		$(WALL)/transformers-float32.json $(WALL)/ours-bfloat16.json \
-		$(WALL)/transformers-bfloat16.json $(WALL)/llama_cpp.json
+		$(WALL)/transformers-bfloat16.json $(WALL)/llama_cpp.json --plot benchmarks/plots
 
 clean:
 	rm -rf $(VENV) $(VENV_COMPAT) $(VENV_NEWEST) $(UV_VENV) $(NEWEST) $(CERTS) .attn-cache \

@@ -50,6 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gemma3_peers import PARAGRAPH, THREADS, _cpu_model  # noqa: E402
+from plotting import axes, progress, save  # noqa: E402
 
 SHORT = "Once upon a time, in a small village by the sea, there lived"
 CASES = {"short": (1, None, 64), "long": (1, 8192, 32), "batch16": (16, 128, 32),
@@ -142,7 +143,8 @@ def run(runtime: str, dtype: str, gguf: str | None, quick: bool, repeat: int) ->
                            else "Q4_K_M (the GGUF as it is)", "cpu": _cpu_model(),
                            "threads": THREADS, "load_seconds": time.perf_counter() - start,
                            "cases": {}}
-    for name, (batch, length, new) in (QUICK if quick else CASES).items():
+    cases = QUICK if quick else CASES
+    for name, (batch, length, new) in progress(cases.items(), len(cases), f"{runtime} {dtype}"):
         if length is None:
             prompts = [SHORT]
         else:
@@ -188,6 +190,53 @@ def report(paths: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+#: Each plotted case's title.
+TITLES = {"short": "short: 1 prompt of 16 tokens, 64 new",
+          "batch16": "batch16: 16 prompts of 128 tokens, 32 new each",
+          "long": "long: 1 prompt of 8,192 tokens, 32 new",
+          "ttft128": "ttft128: 1 new token after 128",
+          "ttft2048": "ttft2048: 1 new token after 2,048"}
+
+
+def plot(paths: Sequence[str], folder: str) -> None:
+    """Two figures of the report's run in ``folder``: tokens/s of the generating
+    cases, and the time to first token, each runtime and dtype a bar."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    heads = [f"{r['runtime']} {r['dtype'].split(' ')[0]}" for r in results]
+    figures = (("gemma3_tokens_per_s.png", ("short", "batch16", "long"), "tokens_per_s",
+                "new tokens per second (higher is better)"),
+               ("gemma3_ttft.png", ("ttft128", "ttft2048"), "seconds",
+                "seconds to the first token (lower is better)"))
+    for filename, names, key, label in figures:
+        fig, panels = axes(len(names), "Gemma 3 270M through the public API, warm calls "
+                           "(median of each runtime's timed calls)", width=4.6)
+        for ax, name in zip(panels, names, strict=True):
+            values = [r["cases"].get(name, {}).get(key) for r in results]
+            shown = [(h, v) for h, v in zip(heads, values, strict=True) if v is not None]
+            bars = ax.bar(range(len(shown)), [v for _, v in shown],
+                          color=[_colour(h) for h, _ in shown])
+            ax.bar_label(bars, fmt="%.3g", fontsize=8)
+            ax.set_xticks(range(len(shown)), [h for h, _ in shown], rotation=30, ha="right",
+                          fontsize=8)
+            ax.set_title(TITLES[name], fontsize=9)
+            ax.set_ylabel(label, fontsize=8)
+            llama = next((r["cases"]["short"].get("tokens_per_s") for r in results
+                          if r["runtime"] == "llama_cpp"), None)
+            if name == "batch16" and llama:  # issue 58's aim, llama.cpp serves one sequence
+                ax.axhline(2 * llama, color="#2ca02c", linestyle="--", linewidth=1,
+                           label=f"2x llama.cpp's one-request rate ({2 * llama:.0f})")
+                ax.legend(fontsize=7, loc="upper right")
+        save(fig, Path(folder) / filename)
+
+
+def _colour(head: str) -> str:
+    """ours blue, transformers orange, llama.cpp green; bfloat16 lighter."""
+    base = {"ours": "#1f77b4", "transformers": "#ff7f0e", "llama_cpp": "#2ca02c"}
+    light = {"ours": "#7fb3de", "transformers": "#ffbb78"}
+    runtime, dtype = head.split(" ", 1)
+    return light[runtime] if dtype == "bfloat16" and runtime in light else base[runtime]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime", choices=sorted(RUNTIMES))
@@ -197,9 +246,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", nargs="+", default=None, metavar="JSON")
+    parser.add_argument("--plot", default=None, metavar="FOLDER",
+                        help="with --report: also draw its figures as PNGs into FOLDER")
     args = parser.parse_args()
     if args.report:
         print(report(args.report))
+        if args.plot:
+            plot(args.report, args.plot)
         return
     result = run(args.runtime, args.dtype, args.gguf, args.quick, args.repeat)
     text = json.dumps(result, indent=2)

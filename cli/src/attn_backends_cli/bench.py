@@ -35,15 +35,6 @@ class BenchRow:
     vs_reference: float | None = None
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    width = 24
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'-' * (width - filled)}] {done}/{total} {label:<40}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 def run(
     registry: Any,
     platform: str,
@@ -74,19 +65,22 @@ def run(
             loss = lambda q, k, v, att=att: att(q, k, v, causal=causal).astype(jnp.float32).sum()  # noqa: E731
             both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
             jobs += [(name, seq, "fwd", fwd, q), (name, seq, "fwd+bwd", both, q)]
+    from tqdm import tqdm
+
     best: dict[tuple[str, int, str], float] = {}
-    total = len(jobs) * (reps + 1)
-    step = 0
-    for name, seq, kind, fn, q in jobs:
-        for rep in range(reps + 1):  # rep 0 compiles and warms up
-            start = time.perf_counter()
-            jax.block_until_ready(fn(q, q, q))
-            elapsed = 1e3 * (time.perf_counter() - start)
-            if rep:
-                key = (name, seq, kind)
-                best[key] = min(best.get(key, float("inf")), elapsed)
-            step += 1
-            _progress(step, total, f"{name} S={seq} {kind}" + (" (compile)" if not rep else ""))
+    # a progress bar on stderr, none when stderr is not a terminal
+    with tqdm(total=len(jobs) * (reps + 1), desc="bench", unit="run", disable=None,
+              file=sys.stderr) as bar:
+        for name, seq, kind, fn, q in jobs:
+            for rep in range(reps + 1):  # rep 0 compiles and warms up
+                bar.set_postfix_str(f"{name} S={seq} {kind}" + ("" if rep else " (compile)"))
+                start = time.perf_counter()
+                jax.block_until_ready(fn(q, q, q))
+                elapsed = 1e3 * (time.perf_counter() - start)
+                if rep:
+                    key = (name, seq, kind)
+                    best[key] = min(best.get(key, float("inf")), elapsed)
+                bar.update()
     rows = []
     for (name, seq, kind), ms in sorted(
         best.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])

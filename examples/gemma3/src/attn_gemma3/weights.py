@@ -19,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -166,10 +168,14 @@ def read_config(fields: Any, path: Path) -> Config:
 
 def dequantized(reader: Any, cfg: Config, dtype: str) -> dict[str, Any]:
     """Every tensor dequantized by ``gguf`` (each tensor's own quant type: Q4_K_M
-    mixes them across layers), projections transposed to ``[in, out]``."""
+    mixes them across layers), projections transposed to ``[in, out]``; a progress
+    bar on stderr counts the tensors (none when stderr is not a terminal)."""
     from gguf.quants import dequantize
+    from tqdm import tqdm
 
     tensors = {t.name: t for t in reader.tensors}
+    bar = tqdm(total=2 + cfg.layers * len(LAYER_TENSORS), desc="dequantizing the GGUF's weights",
+               unit="tensor", disable=None, file=sys.stderr)
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
@@ -177,21 +183,24 @@ def dequantized(reader: Any, cfg: Config, dtype: str) -> dict[str, Any]:
         t = tensors[name]
         try:
             # gguf returns numpy's order, the reverse of GGUF's (out, in for a projection)
-            return np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+            values = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
         except NotImplementedError as exc:
             raise ModelFileError(f"gguf cannot dequantize {name} ({t.tensor_type.name}): "
                                  f"{exc}") from exc
+        bar.update()
+        return values
 
     target = _numpy_dtype(dtype)
-    params: dict[str, Any] = {"embed": get("token_embd.weight").astype(target),
-                              "final_norm": get("output_norm.weight"), "layers": []}
-    for i in range(cfg.layers):
-        layer = {name: get(f"blk.{i}.{gguf_name}.weight") for gguf_name, name in
-                 LAYER_TENSORS.items()}
-        # projections [in, out] in the dtype asked for; norms stay float32 (they
-        # multiply a float32 normalisation)
-        params["layers"].append({n: np.ascontiguousarray(a.T, target) if a.ndim == 2 else a
-                                 for n, a in layer.items()})
+    with bar:
+        params: dict[str, Any] = {"embed": get("token_embd.weight").astype(target),
+                                  "final_norm": get("output_norm.weight"), "layers": []}
+        for i in range(cfg.layers):
+            layer = {name: get(f"blk.{i}.{gguf_name}.weight") for gguf_name, name in
+                     LAYER_TENSORS.items()}
+            # projections [in, out] in the dtype asked for; norms stay float32 (they
+            # multiply a float32 normalisation)
+            params["layers"].append({n: np.ascontiguousarray(a.T, target) if a.ndim == 2
+                                     else a for n, a in layer.items()})
     expected = (cfg.vocab, cfg.d_model)
     if params["embed"].shape != expected:
         raise ModelFileError(f"token_embd has shape {params['embed'].shape}, expected {expected}")
@@ -206,10 +215,30 @@ def _numpy_dtype(dtype: str) -> Any:
     return np.float32 if dtype == "float32" else ml_dtypes.bfloat16
 
 
+def read_gguf(file: Path) -> Any:
+    """``gguf.GGUFReader`` of ``file`` (9 s for the package's: it parses 262,144
+    tokens' metadata), with a bar on stderr saying so (none when stderr is not a
+    terminal)."""
+    from gguf import GGUFReader
+    from tqdm import tqdm
+
+    with tqdm(total=1, desc="reading the GGUF", unit="file", disable=None,
+              file=sys.stderr) as bar:
+        try:
+            reader = GGUFReader(file)
+        except (ValueError, OSError, IndexError) as exc:
+            raise ModelFileError(f"gguf could not read {str(file)!r} as a GGUF file: "
+                                 f"{exc}") from exc
+        bar.update()
+    return reader
+
+
 def load_weights(path: str | os.PathLike[str] | None, dtype: str, sha256: str | None,
-                 cache_dir: Path | None = None) -> tuple[Config, dict[str, Any], Path, str]:
+                 cache_dir: Path | None = None, read: Callable[[Path], Any] = read_gguf,
+                 ) -> tuple[Config, dict[str, Any], Path, str]:
     """(config, params, the GGUF's path, its SHA-256): from the disk cache when this
-    file was loaded in ``dtype`` before, else read and dequantized (then cached)."""
+    file was loaded in ``dtype`` before, else read (``read``: the GGUF's reader)
+    and dequantized (then cached)."""
     _numpy_dtype(dtype)
     file, checked = model_file(path)
     digest = checked or sha256_of(file)
@@ -218,12 +247,7 @@ def load_weights(path: str | os.PathLike[str] | None, dtype: str, sha256: str | 
     cached = _read_cache(folder, dtype)
     if cached is not None:
         return (*cached, file, digest)
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(file)
-    except (ValueError, OSError, IndexError) as exc:
-        raise ModelFileError(f"gguf could not read {str(file)!r} as a GGUF file: {exc}") from exc
+    reader = read(file)
     cfg = read_config(reader.fields, file)
     params = dequantized(reader, cfg, dtype)
     _write_cache(folder, dtype, cfg, params)

@@ -1,0 +1,72 @@
+"""The benchmark scripts' figures: PNG files drawn by matplotlib (Agg) from the
+numbers their run printed, with the machine and the date in the title.
+
+Every script that plots calls :func:`axes` for a figure of panels and
+:func:`save` to write it; :func:`progress` is their progress bar.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def machine() -> str:
+    """``"<CPU model>, <n> cores"`` of this machine (Linux's /proc/cpuinfo)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def axes(panels: int, title: str, *, width: float = 5.5, height: float = 4.2) -> tuple[Any, Any]:
+    """(figure, a list of ``panels`` axes side by side) titled ``title``, then the
+    machine and today's date (UTC)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, panels, figsize=(width * panels, height), squeeze=False)
+    day = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    fig.suptitle(f"{title}\n{machine()}, {day}", fontsize=10)
+    return fig, list(ax[0])
+
+
+def log_lengths(ax: Any, lengths: Sequence[int], label: str) -> None:
+    """A log x axis ticked with exactly ``lengths`` (no 3x10^2 minor labels)."""
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks(list(lengths), [str(n) for n in lengths])
+    ax.set_xlabel(label)
+
+
+def save(fig: Any, path: str | os.PathLike[str]) -> None:
+    """Write ``fig`` as a PNG at ``path`` (folders made) and close it."""
+    import matplotlib.pyplot as plt
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> Iterable[T]:
+    """``items`` with a progress bar on stderr (tqdm), none when stderr is not a
+    terminal."""
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, desc=desc, disable=None, file=sys.stderr)

@@ -1,0 +1,67 @@
+"""The benchmark scripts draw their figures from their runs' JSON: each report
+writes PNGs (checked by their signature and size) from a small run's results,
+and BENCHMARKS.md shows only pictures that exist."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from _docs import ROOT
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _report(script: str, files: list[Path], folder: Path) -> str:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--report",
+                           *map(str, files), "--plot", str(folder)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == PNG and path.stat().st_size > 10_000
+
+
+def test_the_gemma3_wall_report_draws_its_two_figures(tmp_path: Path) -> None:
+    files = []
+    for runtime, dtype, rate in (("ours", "float32", 30.0), ("llama_cpp", "Q4_K_M", 80.0)):
+        cases = {name: {"seconds": 1.0, "tokens_per_s": rate, "new_tokens": 8}
+                 for name in ("short", "long", "batch16", "ttft128", "ttft2048")}
+        files.append(tmp_path / f"{runtime}.json")
+        files[-1].write_text(json.dumps({"runtime": runtime, "dtype": dtype, "cases": cases}))
+    table = _report("bench_gemma3_wall.py", files, tmp_path / "plots")
+    assert "| short | 30.0 tok/s" in table
+    assert all(_is_png(tmp_path / "plots" / n)
+               for n in ("gemma3_tokens_per_s.png", "gemma3_ttft.png"))
+
+
+def test_the_lengths_report_draws_its_two_figures(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_lengths import KV_LENS, SEQS, TORCH
+
+    def rows(name: str, scale: float) -> dict:
+        return {"dense": [{"backend": name, "seq": s, "kind": kind, "ms": scale * s / 256}
+                          for s in SEQS for kind in ("fwd", "fwd+bwd")],
+                "decode": [{"backend": name, "kv_len": t, "ms": scale * t / 1024}
+                           for t in KV_LENS]}
+
+    files = [tmp_path / "ours.json", tmp_path / "torch.json"]
+    files[0].write_text(json.dumps(rows("native_cpu", 1.0)))
+    files[1].write_text(json.dumps(rows(TORCH, 2.0)))
+    table = _report("bench_lengths.py", files, tmp_path / "plots")
+    assert "| 256 | 1 | 2 | 2.00x |" in table  # torch's time over the fastest of ours
+    assert all(_is_png(tmp_path / "plots" / n)
+               for n in ("dense_time_vs_length.png", "decode_time_vs_context.png"))
+
+
+def test_benchmarks_md_shows_only_pictures_that_exist() -> None:
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(images) >= 4, images
+    missing = [i for i in images if not (ROOT / i).is_file()]
+    assert not missing, missing

@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` and `make test`.
+# The README's two commands: `make demo` and `make test` (and `make docs`, the site).
 # Both create .venv (Python 3.12, the newest jax line: 0.12) from the lock
 # requirements/main.txt and install every distribution of the repo in editable
 # mode (below: the locks, make test-newest and make lock). `make test` also builds a
@@ -241,7 +241,8 @@ test-stages: lint test-main pytest-compat
 matrix: install
 	$(TIMED) $@ -- $(VENV)/bin/attn-backends matrix $(CERTS)
 
-# The README's matrix, rewritten from the certificates of the last `make test`.
+# The site's matrix page (docs/compatibility.md), rewritten from the certificates of
+# the last `make test`.
 docs-matrix: install
 	$(VENV)/bin/attn-backends matrix $(CERTS) --into docs/compatibility.md
 

@@ -50,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gemma3_peers import PARAGRAPH, THREADS, _cpu_model  # noqa: E402
-from plotting import axes, progress, save  # noqa: E402
+from plotting import axes, note, progress, save, stamp  # noqa: E402
 
 SHORT = "Once upon a time, in a small village by the sea, there lived"
 CASES = {"short": (1, None, 64), "long": (1, 8192, 32), "batch16": (16, 128, 32),
@@ -142,7 +142,7 @@ def run(runtime: str, dtype: str, gguf: str | None, quick: bool, repeat: int) ->
     out: dict[str, Any] = {"runtime": runtime, "dtype": dtype if runtime != "llama_cpp"
                            else "Q4_K_M (the GGUF as it is)", "cpu": _cpu_model(),
                            "threads": THREADS, "load_seconds": time.perf_counter() - start,
-                           "cases": {}}
+                           "run": stamp(), "cases": {}}
     cases = QUICK if quick else CASES
     for name, (batch, length, new) in progress(cases.items(), len(cases), f"{runtime} {dtype}"):
         if length is None:
@@ -165,8 +165,7 @@ def run(runtime: str, dtype: str, gguf: str | None, quick: bool, repeat: int) ->
             case.update(seconds=seconds, new_tokens=produced, tokens_per_s=produced / seconds,
                         runs=times, load_average=os.getloadavg()[0])
         out["cases"][name] = case
-        print(f"{runtime} {dtype} {name}: {case.get('seconds', 'not run')}", file=sys.stderr,
-              flush=True)
+        note(f"{runtime} {dtype} {name}: {case.get('seconds', 'not run')}")
     return out
 
 
@@ -190,12 +189,14 @@ def report(paths: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-#: Each plotted case's title.
-TITLES = {"short": "short: 1 prompt of 16 tokens, 64 new",
-          "batch16": "batch16: 16 prompts of 128 tokens, 32 new each",
-          "long": "long: 1 prompt of 8,192 tokens, 32 new",
-          "ttft128": "ttft128: 1 new token after 128",
-          "ttft2048": "ttft2048: 1 new token after 2,048"}
+def _title(name: str, case: dict[str, Any]) -> str:
+    """A case's title from what its run recorded (a --quick run's sizes too)."""
+    prompts, new = case["prompts"], case["max_new_tokens"]
+    tokens = max(case["prompt_tokens"])
+    if name.startswith("ttft"):
+        return f"{name}: 1 new token after {tokens:,}"
+    what = f"{prompts} prompts" if prompts > 1 else "1 prompt"
+    return f"{name}: {what} of {tokens:,} tokens, {new} new" + (" each" if prompts > 1 else "")
 
 
 def plot(paths: Sequence[str], folder: str) -> None:
@@ -203,13 +204,16 @@ def plot(paths: Sequence[str], folder: str) -> None:
     cases, and the time to first token, each runtime and dtype a bar."""
     results = [json.loads(Path(p).read_text()) for p in paths]
     heads = [f"{r['runtime']} {r['dtype'].split(' ')[0]}" for r in results]
+    run = results[0].get("run") or {"machine": results[0]["cpu"], "date": "date not recorded"}
+    llama = next((r["cases"].get("short", {}).get("tokens_per_s") for r in results
+                  if r["runtime"] == "llama_cpp"), None)
     figures = (("gemma3_tokens_per_s.png", ("short", "batch16", "long"), "tokens_per_s",
                 "new tokens per second (higher is better)"),
                ("gemma3_ttft.png", ("ttft128", "ttft2048"), "seconds",
                 "seconds to the first token (lower is better)"))
     for filename, names, key, label in figures:
         fig, panels = axes(len(names), "Gemma 3 270M through the public API, warm calls "
-                           "(median of each runtime's timed calls)", width=4.6)
+                           "(median of each runtime's timed calls)", run, width=4.6)
         for ax, name in zip(panels, names, strict=True):
             values = [r["cases"].get(name, {}).get(key) for r in results]
             shown = [(h, v) for h, v in zip(heads, values, strict=True) if v is not None]
@@ -218,14 +222,13 @@ def plot(paths: Sequence[str], folder: str) -> None:
             ax.bar_label(bars, fmt="%.3g", fontsize=8)
             ax.set_xticks(range(len(shown)), [h for h, _ in shown], rotation=30, ha="right",
                           fontsize=8)
-            ax.set_title(TITLES[name], fontsize=9)
+            ax.set_title(_title(name, results[0]["cases"][name]), fontsize=9)
             ax.set_ylabel(label, fontsize=8)
-            llama = next((r["cases"]["short"].get("tokens_per_s") for r in results
-                          if r["runtime"] == "llama_cpp"), None)
             if name == "batch16" and llama:  # issue 58's aim, llama.cpp serves one sequence
                 ax.axhline(2 * llama, color="#2ca02c", linestyle="--", linewidth=1,
                            label=f"2x llama.cpp's one-request rate ({2 * llama:.0f})")
-                ax.legend(fontsize=7, loc="upper right")
+                ax.set_ylim(top=1.25 * max(v for _, v in shown))  # room for the legend
+                ax.legend(fontsize=7, loc="upper left")
         save(fig, Path(folder) / filename)
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plotting import axes, log_lengths, progress, save  # noqa: E402
+from plotting import axes, log_lengths, progress, save, stamp  # noqa: E402
 
 SEQS = (256, 512, 1024, 2048, 4096)
 KV_LENS = (1024, 2048, 4096, 8192, 16384)
@@ -53,11 +53,13 @@ def ours(backends: Sequence[str], reps: int) -> dict[str, Any]:
                 reps=reps)
     decode = run_decode(registry, "cpu", backends=backends, kv_lens=KV_LENS, batch=BATCH,
                         heads=HEADS, head_dim=HEAD_DIM, reps=reps)
-    return {"dense": as_dicts(dense),
+    return {"run": stamp(), "dense": as_dicts(dense),
             "decode": [{"backend": r.backend, "kv_len": r.kv_len, "ms": r.ms} for r in decode]}
 
 
 def _best_ms(fn: Callable[[], Any], reps: int) -> float:
+    # attn_backends_cli.bench_decode's loop, for PyTorch: its venv (.venv-peer) has
+    # no attn_backends to import that module from.
     fn()  # untimed: warm-up
     times = []
     for _ in range(reps):
@@ -99,7 +101,7 @@ def torch_rows(reps: int) -> dict[str, Any]:
                 sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
 
         decode.append({"backend": TORCH, "kv_len": tk, "ms": _best_ms(step, reps)})
-    return {"dense": dense, "decode": decode}
+    return {"run": stamp(), "dense": dense, "decode": decode}
 
 
 def _series(rows: list[dict[str, Any]], x: str) -> dict[str, list[tuple[int, float]]]:
@@ -123,7 +125,7 @@ def report(paths: Sequence[str], folder: str | None) -> str:
                     f"{HEADS // 4}, {HEAD_DIM}] float32: ms", "Tk", _series(decode, "kv_len"),
                     KV_LENS)
     if folder:
-        _plot(dense, decode, Path(folder))
+        _plot(dense, decode, runs[0]["run"], Path(folder))
     return "\n".join(lines)
 
 
@@ -142,9 +144,10 @@ def _table(title: str, x: str, series: dict[str, list[tuple[int, float]]],
     return lines
 
 
-def _plot(dense: list[dict[str, Any]], decode: list[dict[str, Any]], folder: Path) -> None:
+def _plot(dense: list[dict[str, Any]], decode: list[dict[str, Any]], run: dict[str, str],
+          folder: Path) -> None:
     fig, panels = axes(2, f"Dense attention, q/k/v [1, S, {HEADS}, {HEAD_DIM}] float32, "
-                       "causal: best of the timed runs")
+                       "causal: best of the timed runs", run)
     for ax, kind in zip(panels, ("fwd", "fwd+bwd"), strict=True):
         for name, points in _series([r for r in dense if r["kind"] == kind], "seq").items():
             ax.plot(*zip(*points, strict=True), marker="o", label=name, **_style(name))
@@ -155,7 +158,7 @@ def _plot(dense: list[dict[str, Any]], decode: list[dict[str, Any]], folder: Pat
         ax.legend(fontsize=8)
     save(fig, folder / "dense_time_vs_length.png")
     fig, (ax,) = axes(1, f"Decode step, q [{BATCH}, 1, {HEADS}, {HEAD_DIM}], K and V "
-                      f"[{BATCH}, Tk, {HEADS // 4}, {HEAD_DIM}] float32", width=7)
+                      f"[{BATCH}, Tk, {HEADS // 4}, {HEAD_DIM}] float32", run, width=7)
     for name, points in _series(decode, "kv_len").items():
         label = "jnp.sum over K and V (reading them)" if name == "jnp.sum" else name
         ax.plot(*zip(*points, strict=True), marker="o", label=label, **_style(name))
@@ -185,6 +188,8 @@ def main() -> None:
     if args.report:
         print(report(args.report, args.plot))
         return
+    if args.runtime is None:
+        parser.error("expected --runtime ours or torch (a run), or --report JSON ... (a report)")
     result = ours(args.backends, args.reps) if args.runtime == "ours" else torch_rows(args.reps)
     text = json.dumps(result, indent=1)
     if args.json:

@@ -1,8 +1,9 @@
 """The benchmark scripts' figures: PNG files drawn by matplotlib (Agg) from the
 numbers their run printed, with the machine and the date in the title.
 
-Every script that plots calls :func:`axes` for a figure of panels and
-:func:`save` to write it; :func:`progress` is their progress bar.
+A script records :func:`stamp` in its run's JSON, then draws with :func:`axes`
+(a figure of panels titled with that stamp) and writes with :func:`save`;
+:func:`progress` is the scripts' progress bar and :func:`note` a line beside it.
 """
 
 from __future__ import annotations
@@ -31,17 +32,24 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-def axes(panels: int, title: str, *, width: float = 5.5, height: float = 4.2) -> tuple[Any, Any]:
+def stamp() -> dict[str, str]:
+    """Where and when a run ran, for its JSON: ``{"machine": ..., "date": ...}`` (UTC);
+    its figures are titled with these, wherever and whenever they are drawn."""
+    return {"machine": machine(),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def axes(panels: int, title: str, run: dict[str, str], *, width: float = 5.5,
+         height: float = 4.2) -> tuple[Any, Any]:
     """(figure, a list of ``panels`` axes side by side) titled ``title``, then the
-    machine and today's date (UTC)."""
+    run's machine and date (``run``: :func:`stamp`'s)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, panels, figsize=(width * panels, height), squeeze=False)
-    day = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-    fig.suptitle(f"{title}\n{machine()}, {day}", fontsize=10)
+    fig.suptitle(f"{title}\n{run['machine']}, {run['date']}", fontsize=10)
     return fig, list(ax[0])
 
 
@@ -70,3 +78,10 @@ def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> It
     from tqdm import tqdm
 
     return tqdm(items, total=total, desc=desc, disable=None, file=sys.stderr)
+
+
+def note(text: str) -> None:
+    """A line on stderr that leaves a progress bar whole (tqdm's ``write``)."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stderr)

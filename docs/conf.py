@@ -11,7 +11,7 @@ guide's cells in a fresh kernel per page and warns with the traceback).
 from __future__ import annotations
 
 import os
-import tempfile
+from pathlib import Path
 
 project = "attn-backends"
 author = "the attn-backends developers"
@@ -35,7 +35,8 @@ include_patterns = [
     "examples/gemma3/README.md",
     "examples/serving/README.md",
 ]
-exclude_patterns = ["docs/_build/**"]
+exclude_patterns = ["docs/_build/**", ".venv*/**", ".newest/**", ".attn-cache/**",
+                    ".certificates/**", "dist/**", "**/build/**"]
 
 # Headings h1-h3 get anchors, so [text](page.md#a-heading) is a checked link.
 myst_heading_anchors = 3
@@ -53,8 +54,9 @@ nb_execution_raise_on_error = False
 nb_execution_show_tb = True
 nb_execution_timeout = 300
 nb_merge_streams = True
+# Beside the built site, so `make docs` (which removes docs/_build) starts it empty.
 os.environ.setdefault("ATTN_BACKENDS_CACHE_DIR",
-                      tempfile.mkdtemp(prefix="attn-backends-docs-cache-"))
+                      str(Path(__file__).resolve().parent / "_build" / "attn-cache"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 autodoc_member_order = "bysource"

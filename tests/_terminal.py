@@ -6,9 +6,11 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import select
 import struct
 import subprocess
 import termios
+import time
 
 
 def stderr_of(args: list[str], *, terminal: bool, env: dict[str, str] | None = None,
@@ -22,8 +24,13 @@ def stderr_of(args: list[str], *, terminal: bool, env: dict[str, str] | None = N
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=follower, env=env)
     os.close(follower)
-    chunks = []
+    chunks, deadline = [], time.monotonic() + timeout
     while True:  # read as it writes: a full pseudo-terminal would block the command
+        ready, _, _ = select.select([leader], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:  # a command that hangs fails the test instead of hanging it
+            process.kill()
+            raise AssertionError(f"{args} did not finish within {timeout} s: "
+                                 f"{b''.join(chunks)[-3000:]!r}")
         try:
             chunk = os.read(leader, 1 << 16)
         except OSError:  # the command closed its end

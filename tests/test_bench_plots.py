@@ -13,6 +13,7 @@ from pathlib import Path
 from _docs import ROOT
 
 PNG = b"\x89PNG\r\n\x1a\n"
+RUN = {"machine": "a test", "date": "2026-12-08"}
 
 
 def _report(script: str, files: list[Path], folder: Path) -> str:
@@ -30,22 +31,25 @@ def _is_png(path: Path) -> bool:
 def test_the_gemma3_wall_report_draws_its_two_figures(tmp_path: Path) -> None:
     files = []
     for runtime, dtype, rate in (("ours", "float32", 30.0), ("llama_cpp", "Q4_K_M", 80.0)):
-        cases = {name: {"seconds": 1.0, "tokens_per_s": rate, "new_tokens": 8}
+        cases = {name: {"seconds": 1.0, "tokens_per_s": rate, "new_tokens": 8, "prompts": 2,
+                        "prompt_tokens": [64, 64], "max_new_tokens": 8}
                  for name in ("short", "long", "batch16", "ttft128", "ttft2048")}
         files.append(tmp_path / f"{runtime}.json")
-        files[-1].write_text(json.dumps({"runtime": runtime, "dtype": dtype, "cases": cases}))
+        files[-1].write_text(json.dumps({"runtime": runtime, "dtype": dtype, "cases": cases,
+                                         "run": RUN}))
     table = _report("bench_gemma3_wall.py", files, tmp_path / "plots")
     assert "| short | 30.0 tok/s" in table
     assert all(_is_png(tmp_path / "plots" / n)
                for n in ("gemma3_tokens_per_s.png", "gemma3_ttft.png"))
 
 
-def test_the_lengths_report_draws_its_two_figures(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+def test_the_lengths_report_draws_its_two_figures(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from bench_lengths import KV_LENS, SEQS, TORCH
 
     def rows(name: str, scale: float) -> dict:
-        return {"dense": [{"backend": name, "seq": s, "kind": kind, "ms": scale * s / 256}
+        return {"run": RUN,
+                "dense": [{"backend": name, "seq": s, "kind": kind, "ms": scale * s / 256}
                           for s in SEQS for kind in ("fwd", "fwd+bwd")],
                 "decode": [{"backend": name, "kv_len": t, "ms": scale * t / 1024}
                            for t in KV_LENS]}

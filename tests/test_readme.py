@@ -3,6 +3,7 @@ and every topic it lists is a page of the site (docs/conf.py's pages)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -15,9 +16,12 @@ LINK = re.compile(r"\]\((?P<target>[^)#\s]+)(?:#[^)]*)?\)")
 
 
 def _site_patterns() -> list[str]:
-    scope: dict = {}
-    exec(compile((ROOT / "docs" / "conf.py").read_text(), "docs/conf.py", "exec"), scope)
-    return scope["include_patterns"]
+    """docs/conf.py's ``include_patterns``, read without running the configuration
+    (which sets environment variables for the build)."""
+    tree = ast.parse((ROOT / "docs" / "conf.py").read_text())
+    (value,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "include_patterns" for t in node.targets)]
+    return ast.literal_eval(value)
 
 
 def test_the_readme_is_at_most_150_lines() -> None:

@@ -11,8 +11,9 @@ from attn_gemma3.model import PICK_BLOCK, greedy, logits_of, next_tokens
 
 
 def test_one_row_of_the_bfloat16_head_widens_nothing():
-    # jax 0.10's CPU matrix-vector product widened a bfloat16 head to float32
-    # (641 MiB of temporaries); on jax 0.12.1 one row is read as it is.
+    # jax 0.12.0.1's CPU matrix-vector product widened a bfloat16 head to float32
+    # (641 MiB of temporaries); from jax 0.12.1 (the distribution's floor) one row
+    # is read as it is.
     params = {"embed": jax.ShapeDtypeStruct((262144, 640), jnp.bfloat16)}
     for rows in (1, 3):
         hidden = jax.ShapeDtypeStruct((rows, 640), jnp.float32)
@@ -38,6 +39,7 @@ def test_greedy_is_the_first_index_of_the_largest(vocab):
     logits[3, 7] = np.inf
     logits[4, :] = 0.0
     logits[4, [vocab - 1, vocab // 2 + 3]] = 5.0  # tied in two blocks: the first wins
+    logits[5, [vocab - 2, vocab // 2 + 1]] = np.nan  # argmax: the first NaN
     for axis in (0, 1, -1):
         np.testing.assert_array_equal(greedy(jnp.asarray(logits), axis=axis),
                                       np.argmax(logits, axis=axis))

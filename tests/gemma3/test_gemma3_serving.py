@@ -25,8 +25,9 @@ def _prompt(model, tokens: int, seed: int) -> tuple[int, ...]:
 
 
 def test_requests_arriving_over_time_equal_each_served_alone(model):
-    # A prompt of 2,000 tokens: four chunks of 512, past the local layers'
-    # window of 512 (4,000 tokens took 76 s in make test; 2,000 take 31 s alone).
+    # A prompt of 2,000 tokens: chunks of the budget of 512 rows, past the local
+    # layers' window of 512 (4,000 tokens took 76 s in make test; 2,000 take 31 s
+    # alone). Served alone below, it takes the default budget of 2,048 rows.
     lengths, arrivals = (10, 2000, 37, 700, 120), (0, 1, 1, 3, 9)
     requests = [Request(i, _prompt(model, n, i), max_new=6, arrival=a)
                 for i, (n, a) in enumerate(zip(lengths, arrivals, strict=True))]

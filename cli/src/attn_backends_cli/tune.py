@@ -177,8 +177,8 @@ def tune(registry: Any, signatures: Sequence[Signature], platform: str, *,
 
     steps = sum(len(candidates(registry, s.call, platform)[1]) for s in signatures)
     table = TuningTable()
-    with tqdm(total=steps * (1 + timing.get("rounds", ROUNDS)), unit="step", disable=None,
-              file=sys.stderr) as bar:
+    with tqdm(total=steps * (1 + timing.get("rounds", ROUNDS)), desc="tune", unit="step",
+              disable=None, file=sys.stderr) as bar:
         def advance(backend: str, n: int) -> None:
             bar.set_postfix_str(backend, refresh=False)
             bar.update(n)

@@ -10,16 +10,17 @@ family in ``make test``'s certification of xla_native, on both jax lines.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import attn_backends as ab
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _docs import code_blocks
 from _paged_support import PS, PagedCases, paged_case
 from attn_backend_xla_native import PagedConfig
 from attn_backends.oracle import paged_attention as oracle
+
+SERVING_GUIDE = "docs/guides/serving.md"
 
 
 class TestXlaNativePagedSmallBlocks(PagedCases):
@@ -100,14 +101,13 @@ def test_temporary_memory_does_not_grow_with_the_pool():
     assert large < 1024 * 16 * 2 * 64 * 4 // 4
 
 
-def test_the_readme_example_runs_on_xla_native_and_agrees_with_the_oracle():
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
-    block = readme.split("## Serving: paged KV cache", 1)[1].split("```python\n", 1)[1]
+def test_the_serving_guides_example_runs_on_xla_native_and_agrees_with_the_oracle():
+    # the first cell of docs/guides/serving.md, as the site shows it
+    code = code_blocks(SERVING_GUIDE)[0].replace("print(", "str(")
     scope: dict = {}
-    code = block.split("```", 1)[0].replace("print(", "str(")
     # The example asks the registry for its choice; here xla_native serves it.
     code = code.replace("registry.get_paged(", 'registry.get_paged(backend="xla_native", ')
-    exec(compile(code, "README.md (paged)", "exec"), scope)
+    exec(compile(code, f"{SERVING_GUIDE} (paged)", "exec"), scope)
     k_pages, v_pages = scope["paged"].to_canonical(scope["cache"])
     expected = oracle(scope["q"], k_pages, v_pages, *scope["batch"])
     np.testing.assert_allclose(np.asarray(scope["out"]), expected, atol=PagedCases.atol, rtol=0)

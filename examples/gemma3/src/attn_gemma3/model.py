@@ -82,7 +82,8 @@ def logits_of(params: dict[str, Any], hidden: jax.Array) -> jax.Array:
     embed = params["embed"]
     # One row is a matrix-vector product: on jax 0.12.1 it reads the head at
     # 45 GB/s in float32 (15 ms; two rows take the matrix path, 25 ms) and no
-    # longer widens a bfloat16 head first (jax 0.10 did: BENCHMARKS.md, Gemma 3).
+    # longer widens a bfloat16 head first (0.12.0.1 did, hence pyproject's jax
+    # floor: BENCHMARKS.md, Gemma 3).
     return jax.lax.dot_general(hidden.astype(embed.dtype), embed, (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
@@ -93,12 +94,13 @@ PICK_BLOCK = 512
 
 def first_largest(values: jax.Array, axis: int) -> jax.Array:
     """The first index of the largest value along ``axis`` (int32), as ``jnp.argmax``
-    (ties to the first): two plain reductions, the max and then the least index
-    holding it, which XLA's CPU code vectorizes (its argmax reduces (value,
-    index) pairs: 6x slower over 16 rows of 262,144)."""
-    largest = jnp.max(values, axis=axis, keepdims=True)
+    (ties to the first, a NaN the largest): two plain reductions, the max and then
+    the least index holding it, which XLA's CPU code vectorizes (its argmax
+    reduces (value, index) pairs: 6x slower over 16 rows of 262,144)."""
+    largest = jnp.max(values, axis=axis, keepdims=True)  # NaN where a NaN is
     index = jax.lax.broadcasted_iota(jnp.int32, values.shape, axis % values.ndim)
-    return jnp.min(jnp.where(values == largest, index, values.shape[axis]), axis=axis)
+    holds = (values == largest) | jnp.isnan(values)
+    return jnp.min(jnp.where(holds, index, values.shape[axis]), axis=axis)
 
 
 def greedy(logits: jax.Array, axis: int = -1) -> jax.Array:

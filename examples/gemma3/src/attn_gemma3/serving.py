@@ -104,7 +104,8 @@ class Engine:
     ``max_seqs`` requests of ``max_context``); a step runs at most
     ``chunk_budget`` rows (decode rows and prompt chunks: with 2,048, sixteen
     prompts of 128 tokens prefill in one step, whose products run at the speed of
-    the machine's largest, where four steps of 512 rows took 20% longer).
+    the machine's largest, where four steps of 512 rows took 25% longer: 1.34 s
+    against 1.07 s).
     ``backend``, ``prefer``,
     ``registry``, ``device`` and ``kv_dtype`` (None: the caches hold K and V in
     ``dtype``; "int8", "float8_e4m3fn", "float8_e5m2": quantized) as in

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from attn_backend_xla_native import XlaNativeBackend
+from plotting import progress
 
 _BACKEND = XlaNativeBackend()
 
@@ -195,7 +196,7 @@ def main() -> None:
     print("\n| dtype | Tk | Tq | Hkv | timed runs | jnp.sum ms (GB/s) | xla_native ms (%) "
           "| dense ms (%) | torch ms (%) | xla_native vs faster peer |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for dtype, tk, tq, hq, hkv in cases(args):
+    for dtype, tk, tq, hq, hkv in progress(list(cases(args)), desc="bench_decode"):
         q, k, v, lengths = _case_arrays(8, tq, tk, hq, hkv, 128, dtype)
         runs = {
             "sum": sum_run(k, v),

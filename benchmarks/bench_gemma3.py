@@ -42,6 +42,7 @@ import attn_backends
 import jax
 import jax.numpy as jnp
 import numpy as np
+from plotting import progress
 
 PREFILL = (128, 2048, 8192)
 DECODE = ((1, 512), (1, 8192), (16, 512), (16, 8192))
@@ -68,7 +69,7 @@ def _prompt(model: Any, tokens: int) -> list[int]:
 
 def prefill(model: Any, sizes: tuple[int, ...]) -> dict[str, dict[str, float]]:
     dense, served = {}, {}
-    for n in sizes:
+    for n in progress(sizes, desc="prefill"):
         ids = _prompt(model, n)
         dense[str(n)] = n / _median_seconds(lambda ids=ids: model.logits(ids, last=1), 1)
         engine = model.engine(n + 16, max_seqs=1, chunk_budget=512)
@@ -126,7 +127,7 @@ def decode(model: Any, shapes: tuple[tuple[int, int], ...], weight_bytes: int,
                            "memory_mib": {}}
     cfg = model.cfg
     kinds = [window_of(cfg, layer) for layer in range(cfg.layers)]
-    for seqs, context in shapes:
+    for seqs, context in progress(shapes, desc="decode"):
         key = f"{seqs}@{context}"
         engine, args = _decode_state(model, seqs, context)
         seconds, caches, memory = _step(model, engine, args)
@@ -179,7 +180,7 @@ def flat(model: Any, contexts: tuple[int, ...]) -> dict[str, dict[str, float]]:
 
     out: dict[str, dict[str, float]] = {"local": {}, "global": {}}
     cfg = model.cfg
-    for context in contexts:
+    for context in progress(contexts, desc="layers"):
         engine, (tokens, _, slots, batch, _) = _decode_state(model, 1, context)
         for window, paged in engine.paged.items():
             cache = engine.caches[[window_of(cfg, i) for i in range(cfg.layers)].index(window)]

@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plotting import progress
+
 THREADS = 2
 LLAMA_N_BATCH = 2048
 REQUEST_OFFSET = 101
@@ -180,12 +182,12 @@ def _measure(label: str, sizes: Sizes, prefill_seconds: Callable[[int], float],
     a decode shape was not run) from a peer's two timers: ``prefill_seconds(n)``
     and ``decode_seconds(batch, context, steps)``."""
     prefill: dict[str, float] = {}
-    for n in sizes.prefill:
+    for n in progress(sizes.prefill, desc="prefill"):
         prefill[str(n)] = n / prefill_seconds(n)
         _report(label, f"prefill {n}", prefill[str(n)])
     notes: dict[str, str] = {}
     decode: dict[str, float | None] = {}
-    for key, (batch, ctx) in _decode_keys(sizes).items():
+    for key, (batch, ctx) in progress(_decode_keys(sizes).items(), desc="decode"):
         why = not_run(batch, ctx)
         if why is not None:
             decode[key], notes[key] = None, why

@@ -42,6 +42,7 @@ from bench_decode import _case_arrays, sum_run, torch_run, xla_native_run
 from bench_decode import in_rounds as decode_rounds
 from bench_paged import Shape, make_pool
 from bench_xla_native import in_rounds, jax_runner, torch_runner, xla_native
+from plotting import progress
 
 _BACKEND = NativeCpuBackend()
 
@@ -56,7 +57,7 @@ def dense_table(args: argparse.Namespace) -> None:
     print("\n| S | pass | timed runs | native_cpu ms | xla_native ms | torch sdpa ms "
           "| native / torch | native / xla_native |")
     print("|---|---|---|---|---|---|---|---|")
-    for s in args.sizes:
+    for s in progress(args.sizes, desc="dense"):
         for backward in (False, True):
             if backward and s > args.bwd_max:
                 continue

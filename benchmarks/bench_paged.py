@@ -62,6 +62,7 @@ from attn_backend_xla_native._plan import DECODE_MIN_JAXLIB, _jaxlib_at_least
 # The same interleaved rounds and same-run bandwidth peer as the decode benchmark
 # (this script's folder is on sys.path when it runs).
 from bench_decode import in_rounds, sum_run
+from plotting import progress
 
 _BACKEND = XlaNativeBackend()
 
@@ -264,7 +265,7 @@ def memory_bench(shape: Shape, pool: Pool, factors: tuple[int, ...],
         jax.ShapeDtypeStruct(pool.table.shape, i32), jax.ShapeDtypeStruct((), i32))
     q = jax.ShapeDtypeStruct((s, shape.hq, shape.d), jnp.float32)
     rows = []
-    for factor in factors:
+    for factor in progress(factors, desc="bench_paged"):
         num_pages = factor * pool.k_pages.shape[0]
         pages = jax.ShapeDtypeStruct((num_pages, *pool.k_pages.shape[1:]), jnp.float32)
         cache = jax.eval_shape(paged.from_canonical, pages, pages)

@@ -50,6 +50,7 @@ import attn_backends
 import jax
 import jax.numpy as jnp
 import numpy as np
+from plotting import progress
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "examples" / "gemma3" / "texts" / "python_execution_model.txt"
@@ -98,7 +99,7 @@ def decode_table(args: argparse.Namespace) -> list[dict[str, Any]]:
     hot_batch = batch._replace(page_table=hot)
     registry = attn_backends.Registry(probe=None)
     runs, sizes = {}, {}
-    for dtype, kv_dtype in CACHES:
+    for dtype, kv_dtype in progress(CACHES, desc="caches"):
         for backend in ("native_cpu", "xla_native"):
             paged = registry.get_paged(device="cpu", backend=backend, num_q_heads=hq,
                                        num_kv_heads=hkv, head_dim=dim, page_size=page,

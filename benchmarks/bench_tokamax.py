@@ -34,6 +34,7 @@ from bench_xla_native import (
     torch_runner,
     xla_native,
 )
+from plotting import progress
 
 
 def _through(backend: attn_backends.Backend) -> Callable[..., Any]:
@@ -57,7 +58,7 @@ def speed(args: argparse.Namespace) -> None:
     print("\n| S | pass | " + " | ".join(f"{n} ms" for n in names) + " | "
           + " | ".join(f"{n} / xla_native" for n in names[1:]) + " |")
     print("|---|---|" + "---|" * (2 * len(names) - 1))
-    for s in args.sizes:
+    for s in progress(args.sizes, desc="bench_tokamax"):
         for backward in (False, True):
             runs = {name: jax_runner(attn, s, True, backward) for name, attn in CONTENDERS.items()
                     if not (name == "tokamax_xla" and s > args.dense_max)}

@@ -38,6 +38,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from plotting import progress
+
 GRID = [
     # (label, batch, q_len, kv_len, dtype, causal, kv_lengths)
     ("B=8 S=32 causal", 8, 32, 32, "float32", True, False),
@@ -97,7 +99,7 @@ def judge(path: Path, quick: bool, rounds: int, runs: int) -> list[dict[str, Any
     registry = ab.registry
     tuned = registry.get(device="cpu", tuning=path, fallback="silent")
     rows = []
-    for label, signature in _signatures(quick):
+    for label, signature in progress(_signatures(quick), desc="bench_tuning"):
         entry = tune_one(registry, signature, "cpu", identity=identity(registry.backends),
                          rounds=rounds, runs=runs)
         medians = {n: c["median_s"] for n, c in entry.candidates.items() if "median_s" in c}

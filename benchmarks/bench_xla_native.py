@@ -40,6 +40,7 @@ import attn_backends
 import jax
 import jax.numpy as jnp
 from attn_backend_xla_native import BlockConfig, XlaNativeBackend
+from plotting import progress
 
 B, H, D = 1, 8, 64
 _BACKEND = XlaNativeBackend()
@@ -178,7 +179,7 @@ def speed(args: argparse.Namespace) -> None:
     cases = [(s, True) for s in args.sizes]
     if args.noncausal:
         cases.append((args.noncausal, False))
-    for s, causal in cases:
+    for s, causal in progress(cases, desc="bench_xla_native"):
         for backward in (False, True):
             if backward and s > args.bwd_max:
                 continue

@@ -8,11 +8,12 @@ A script records :func:`stamp` in its run's JSON, then draws with :func:`axes`
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,12 +73,19 @@ def save(fig: Any, path: str | os.PathLike[str]) -> None:
     print(f"plot written to {path}", file=sys.stderr)
 
 
-def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> Iterable[T]:
+def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
     """``items`` with a progress bar on stderr (tqdm), none when stderr is not a
-    terminal."""
+    terminal. While the bar shows, what the loop prints goes through tqdm's
+    ``write``, so a table printed row by row and the bar stay whole."""
     from tqdm import tqdm
+    from tqdm.contrib import DummyTqdmFile
 
-    return tqdm(items, total=total, desc=desc, disable=None, file=sys.stderr)
+    bar = tqdm(items, total=total, desc=desc, disable=None, file=sys.stderr)
+    if bar.disable:
+        yield from bar
+        return
+    with contextlib.redirect_stdout(DummyTqdmFile(sys.stdout)):
+        yield from bar
 
 
 def note(text: str) -> None:

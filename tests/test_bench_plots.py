@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _docs import ROOT
+from _terminal import stderr_of
 
 PNG = b"\x89PNG\r\n\x1a\n"
 RUN = {"machine": "a test", "date": "2026-12-08"}
@@ -69,3 +71,16 @@ def test_benchmarks_md_shows_only_pictures_that_exist() -> None:
     assert len(images) >= 4, images
     missing = [i for i in images if not (ROOT / i).is_file()]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "redirected"])
+def test_the_scripts_progress_shows_in_a_terminal_only(terminal: bool) -> None:
+    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+              "from plotting import progress\n"
+              "for row in progress(range(3), desc='rows'):\n"
+              "    print('| row', row, '|')\n")
+    err = stderr_of([sys.executable, "-c", script], terminal=terminal)
+    if terminal:
+        assert "rows: 100%" in err and "3/3" in err, err
+    else:
+        assert err == "", err
